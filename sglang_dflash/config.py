@@ -1,0 +1,362 @@
+"""DFlash draft checkpoint parsing and start-up validation.
+
+Reads z-lab DFlash checkpoints exactly as published (``config.json`` plus safetensors without
+embedding or lm_head) and checks them against the target before any GPU memory is touched.
+Every problem raises :class:`DFlashConfigError`, whose message names the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional, Sequence
+
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+DEFAULT_BLOCK_SIZE = 16
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Buffers some HF exports carry along; they hold no trained weights.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DFlashConfigError(ValueError):
+    """A draft checkpoint or flag that cannot serve; ``field`` names the culprit."""
+
+    def __init__(self, field_name: str, problem: str, source: Optional[str] = None):
+        self.field = field_name
+        self.problem = problem
+        self.source = source
+        where = f" in {source}" if source else ""
+        super().__init__(f"DFlash draft{where}: {field_name}: {problem}")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Layers tapped when the checkpoint names none: evenly from 1 to n-3 (one draft layer: n//2)."""
+    if num_target_layers <= 0 or num_draft_layers <= 0:
+        raise DFlashConfigError(
+            "target_layer_ids",
+            f"cannot derive defaults from {num_target_layers} target / {num_draft_layers} draft layers",
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    if last < first:
+        raise DFlashConfigError(
+            "target_layer_ids",
+            f"absent, and the default needs a target with >= 4 layers (it has {num_target_layers})",
+        )
+    step = (last - first) / (num_draft_layers - 1)
+    return [int(round(first + i * step)) for i in range(num_draft_layers)]
+
+
+def _positive_int(raw: Any, field_name: str, source: Optional[str], minimum: int = 1) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or int(raw) != raw:
+        raise DFlashConfigError(field_name, f"must be an integer, got {raw!r}", source)
+    if int(raw) < minimum:
+        raise DFlashConfigError(field_name, f"must be >= {minimum}, got {int(raw)}", source)
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class DFlashDraftConfig:
+    """The draft's own shape plus the DFlash fields (``block_size``, taps, mask id, layer types)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    target_layer_ids: Optional[tuple[int, ...]]  # None: derive from the target at validation
+    mask_token_id: Optional[int]
+    layer_types: tuple[str, ...]
+    sliding_window: Optional[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: Optional[int] = None
+    attention_bias: bool = False
+    num_target_layers: Optional[int] = None
+    vocab_size: Optional[int] = None
+    source: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def num_context_features(self) -> int:
+        """K, the number of tapped target layers that ``fc`` concatenates (needs resolved taps)."""
+        if self.target_layer_ids is None:
+            raise DFlashConfigError("target_layer_ids", "not resolved yet; call resolve_for_target", self.source)
+        return len(self.target_layer_ids)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: Optional[str] = None) -> "DFlashDraftConfig":
+        archs = raw.get("architectures") or []
+        if DRAFT_ARCHITECTURE not in archs:
+            raise DFlashConfigError(
+                "architectures", f"expected [{DRAFT_ARCHITECTURE!r}], got {list(archs)!r}", source
+            )
+        dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, Mapping):
+            raise DFlashConfigError("dflash_config", f"must be an object, got {type(dflash).__name__}", source)
+
+        def need(key: str) -> int:
+            if raw.get(key) is None:
+                raise DFlashConfigError(key, "missing", source)
+            return _positive_int(raw[key], key, source)
+
+        hidden = need("hidden_size")
+        layers = need("num_hidden_layers")
+        heads = need("num_attention_heads")
+        kv_heads = _positive_int(raw.get("num_key_value_heads", heads), "num_key_value_heads", source)
+        head_dim = _positive_int(raw.get("head_dim") or hidden // heads, "head_dim", source)
+        inter = need("intermediate_size")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise DFlashConfigError("hidden_act", f"only 'silu' is supported, got {raw['hidden_act']!r}", source)
+        if heads % kv_heads:
+            raise DFlashConfigError(
+                "num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}", source
+            )
+
+        # dflash_config.block_size wins over the legacy top-level key.
+        raw_block = dflash.get("block_size", raw.get("block_size", DEFAULT_BLOCK_SIZE))
+        block = _positive_int(raw_block, "block_size", source, minimum=2)
+
+        taps = dflash.get("target_layer_ids")
+        if taps is not None:
+            if not isinstance(taps, Sequence) or isinstance(taps, str) or not taps:
+                raise DFlashConfigError("target_layer_ids", f"must be a non-empty list, got {taps!r}", source)
+            taps = tuple(_positive_int(t, f"target_layer_ids[{i}]", source, minimum=0) for i, t in enumerate(taps))
+
+        mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if mask_id is not None:
+            mask_id = _positive_int(mask_id, "mask_token_id", source, minimum=0)
+
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            layer_types = ("full_attention",) * layers
+        layer_types = tuple(layer_types)
+        if len(layer_types) != layers:
+            raise DFlashConfigError(
+                "layer_types", f"has {len(layer_types)} entries for {layers} draft layers", source
+            )
+        for i, kind in enumerate(layer_types):
+            if kind not in LAYER_TYPES:
+                raise DFlashConfigError(f"layer_types[{i}]", f"unknown layer type {kind!r}", source)
+        window = raw.get("sliding_window")
+        if "sliding_attention" in layer_types:
+            if window is None:
+                raise DFlashConfigError("sliding_window", "required by sliding_attention layers", source)
+            window = _positive_int(window, "sliding_window", source)
+        else:
+            window = None
+
+        num_target_layers = dflash.get("num_target_layers", raw.get("num_target_layers"))
+        if num_target_layers is not None:
+            num_target_layers = _positive_int(num_target_layers, "num_target_layers", source)
+        rope_theta = raw.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it
+            rope_theta = (raw.get("rope_parameters") or {}).get("rope_theta", 1e6)
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            block_size=block,
+            target_layer_ids=taps,
+            mask_token_id=mask_id,
+            layer_types=layer_types,
+            sliding_window=window,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=raw.get("rope_scaling"),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            num_target_layers=num_target_layers,
+            vocab_size=raw.get("vocab_size"),
+            source=source,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "DFlashDraftConfig":
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise DFlashConfigError("speculative_draft_model_path", f"{path!r} is not a directory")
+        if not os.path.isfile(config_path):
+            raise DFlashConfigError("config.json", "missing", path)
+        try:
+            with open(config_path) as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DFlashConfigError("config.json", f"not valid JSON ({e})", path) from None
+        return cls.from_dict(raw, source=path)
+
+    def resolve_for_target(self, target: "TargetInfo") -> "DFlashDraftConfig":
+        """Check this draft against its target; returns a copy with the tap layers filled in."""
+        src = self.source
+        if self.hidden_size != target.hidden_size:
+            raise DFlashConfigError(
+                "hidden_size",
+                f"draft has {self.hidden_size} but the target has {target.hidden_size}; "
+                "the draft reuses the target's embedding and lm_head, so they must match",
+                src,
+            )
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            raise DFlashConfigError(
+                "vocab_size", f"draft was built for {self.vocab_size} tokens, the target has {target.vocab_size}", src
+            )
+        taps = self.target_layer_ids
+        if taps is None:
+            taps = tuple(default_target_layer_ids(target.num_layers, self.num_hidden_layers))
+        for i, layer in enumerate(taps):
+            if layer >= target.num_layers:
+                raise DFlashConfigError(
+                    f"target_layer_ids[{i}]", f"layer {layer} is out of range for a {target.num_layers}-layer target", src
+                )
+        if self.mask_token_id is not None and self.mask_token_id >= target.vocab_size:
+            raise DFlashConfigError(
+                "mask_token_id",
+                f"{self.mask_token_id} lies outside the target embedding (vocab_size {target.vocab_size})",
+                src,
+            )
+        if target.context_length is not None and self.block_size > target.context_length:
+            raise DFlashConfigError(
+                "block_size", f"{self.block_size} exceeds the context length {target.context_length}", src
+            )
+        return replace(self, target_layer_ids=tuple(taps))
+
+    def with_block_size(self, block_size: int) -> "DFlashDraftConfig":
+        return replace(self, block_size=_positive_int(block_size, "block_size", self.source, minimum=2))
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the draft must agree with, read from the target's ``config.json``."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    context_length: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], context_length: Optional[int] = None) -> "TargetInfo":
+        text = raw.get("text_config") or raw
+        return cls(
+            hidden_size=int(text["hidden_size"]),
+            num_layers=int(text["num_hidden_layers"]),
+            vocab_size=int(text.get("vocab_size", raw.get("vocab_size"))),
+            context_length=context_length or text.get("max_position_embeddings"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str, context_length: Optional[int] = None) -> "TargetInfo":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_dict(json.load(f), context_length)
+
+
+def expected_draft_tensors(cfg: DFlashDraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a draft checkpoint must hold (no embedding, no lm_head), with its shape."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, cfg.num_context_features * h),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+            }
+        )
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def canonical_tensor_name(name: str) -> str:
+    """Published drafts store keys with or without a ``model.`` prefix; we use the bare form."""
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def check_draft_tensors(cfg: DFlashDraftConfig, found: Mapping[str, Sequence[int]]) -> None:
+    """Raise on missing, extra or misshapen tensors (``found`` maps checkpoint names to shapes)."""
+    expected = expected_draft_tensors(cfg)
+    have = {canonical_tensor_name(k): tuple(v) for k, v in found.items() if not k.endswith(IGNORED_TENSOR_SUFFIXES)}
+    missing = sorted(set(expected) - set(have))
+    extra = sorted(set(have) - set(expected))
+    if missing:
+        raise DFlashConfigError("weights", f"missing tensors {_clip(missing)}", cfg.source)
+    if extra:
+        raise DFlashConfigError("weights", f"unexpected tensors {_clip(extra)}", cfg.source)
+    for name, shape in expected.items():
+        if have[name] != shape:
+            raise DFlashConfigError(name, f"has shape {list(have[name])}, expected {list(shape)}", cfg.source)
+
+
+def _clip(names: list[str], n: int = 6) -> str:
+    shown = ", ".join(names[:n])
+    return f"[{shown}{', ...' if len(names) > n else ''}] ({len(names)} in all)"
+
+
+def read_checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from the safetensors headers, without loading any data."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise DFlashConfigError("weights", "no *.safetensors file", path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        full = os.path.join(path, name)
+        try:
+            with safe_open(full, framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+            _check_safetensors_length(full)
+        except DFlashConfigError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise DFlashConfigError(name, f"unreadable safetensors file ({e})", path) from None
+    return shapes
+
+
+def _check_safetensors_length(path: str) -> None:
+    """A truncated file keeps a valid header; compare the header's data span with the file size."""
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise DFlashConfigError(
+            os.path.basename(path), f"truncated: header promises {8 + header_len + end} bytes, file has {size}"
+        )
+
+
+def load_and_validate(draft_path: str, target: TargetInfo, block_size: Optional[int] = None) -> DFlashDraftConfig:
+    """Everything checked at server start: config fields, target agreement, and the tensors on disk."""
+    cfg = DFlashDraftConfig.from_pretrained(draft_path)
+    if block_size is not None:
+        cfg = cfg.with_block_size(block_size)
+    cfg = cfg.resolve_for_target(target)
+    check_draft_tensors(cfg, read_checkpoint_shapes(draft_path))
+    return cfg

@@ -1,0 +1,134 @@
+"""The thin, version-gated hooks that make ``--speculative-algorithm DFLASH`` run this plugin.
+
+SGLang calls :func:`register` (entry point group ``sglang.srt.plugins``) early in every process:
+the launcher, the engine and each scheduler subprocess. ``DFLASH`` is a reserved algorithm name,
+so instead of registering a new one we keep the enum member, and with it every in-tree
+``is_dflash()`` branch (aux-hidden capture on the target, KV cell sizing, graph plumbing), and
+swap what it builds:
+
+* AROUND ``SpeculativeAlgorithm.create_worker``: DFLASH builds :class:`sglang_dflash.worker.DFlashWorker`.
+* AROUND ``speculative_hook._handle_dflash``: the plugin validates the draft checkpoint against
+  the target before SGLang's own DFLASH argument policy runs.
+* ``ModelRegistry.models["DFlashDraftModel"]``: the plugin's draft network, set where the worker
+  is created (the registry holds classes in a dict that hooks cannot reach).
+
+``SGLANG_DFLASH_IMPL=builtin`` leaves SGLang's own DFLASH in place (only the log line is added),
+so both can be measured side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("sglang_dflash")
+
+IMPL_ENV = "SGLANG_DFLASH_IMPL"
+IMPLEMENTATIONS = ("plugin", "builtin")
+# Hook targets were read in these SGLang releases; anything else keeps the built-in.
+SUPPORTED_SGLANG = ("0.5.17",)
+
+CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
+HANDLE_DFLASH_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+
+def selected_implementation() -> str:
+    impl = os.environ.get(IMPL_ENV, "plugin").strip().lower() or "plugin"
+    if impl not in IMPLEMENTATIONS:
+        raise SystemExit(f"sglang-dflash: {IMPL_ENV}={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    return impl
+
+
+def sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def register() -> None:
+    """Entry point: installs the hooks (the registry applies them once all plugins have run)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    impl = selected_implementation()
+    found = sglang_version()
+    if impl == "plugin" and found not in SUPPORTED_SGLANG:
+        logger.warning(
+            "sglang-dflash supports SGLang %s, found %s: DFLASH stays with the built-in implementation.",
+            "/".join(SUPPORTED_SGLANG), found,
+        )
+        impl = "builtin"
+    if impl == "plugin":
+        HookRegistry.register(CREATE_WORKER, create_worker_hook, HookType.AROUND)
+        HookRegistry.register(HANDLE_DFLASH_ARGS, handle_dflash_args_hook, HookType.AROUND)
+    else:
+        HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin_hook, HookType.AROUND)
+
+
+def create_worker_hook(original, self, server_args):
+    if not self.is_dflash():
+        return original(self, server_args)
+    install_draft_model()
+    from .worker import DFlashWorker
+
+    return DFlashWorker
+
+
+def install_draft_model() -> None:
+    """Point SGLang's registry entry for the published draft architecture at the plugin's model."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .model import DFlashDraftModel
+
+    ModelRegistry.models[DRAFT_ARCHITECTURE] = DFlashDraftModel
+
+
+def log_builtin_hook(original, server_args):
+    logger.info("DFLASH is served by SGLang's built-in implementation (%s=builtin).", IMPL_ENV)
+    return original(server_args)
+
+
+def handle_dflash_args_hook(original, server_args):
+    """Validate the draft checkpoint and the flags, then let SGLang apply its DFLASH defaults."""
+    from .config import DFlashConfigError
+
+    try:
+        cfg = validate_server_args(server_args)
+    except DFlashConfigError as e:
+        # One line and a non-zero exit, before any process or GPU memory is set up.
+        raise SystemExit(f"sglang-dflash: {e}") from None
+    if server_args.speculative_num_draft_tokens is None and server_args.speculative_dflash_block_size is None:
+        server_args.speculative_num_draft_tokens = cfg.block_size
+    original(server_args)
+    logger.info(
+        "DFLASH is served by sglang-dflash (block_size=%d, draft=%s, target_layer_ids=%s).",
+        server_args.speculative_num_draft_tokens, server_args.speculative_draft_model_path,
+        list(cfg.target_layer_ids),
+    )
+
+
+def validate_server_args(server_args):
+    """Every start-up check that needs only files and flags. Returns the resolved draft config."""
+    from .config import DFlashConfigError, TargetInfo, load_and_validate
+
+    if server_args.pp_size != 1:
+        raise DFlashConfigError("--pp-size", f"DFLASH needs pp_size 1, got {server_args.pp_size}")
+    if getattr(server_args, "enable_dp_attention", False):
+        raise DFlashConfigError("--enable-dp-attention", "DFLASH does not support DP attention")
+    if getattr(server_args, "speculative_draft_window_size", None) is not None:
+        raise DFlashConfigError(
+            "--speculative-draft-window-size", f"not supported by the plugin yet (use {IMPL_ENV}=builtin)"
+        )
+    draft_path = server_args.speculative_draft_model_path
+    if draft_path is None:
+        raise DFlashConfigError("--speculative-draft-model-path", "required with --speculative-algorithm DFLASH")
+    block = server_args.speculative_num_draft_tokens or server_args.speculative_dflash_block_size
+    for flag, value in (("--speculative-num-draft-tokens", server_args.speculative_num_draft_tokens),
+                        ("--speculative-dflash-block-size", server_args.speculative_dflash_block_size)):
+        if value is not None and int(value) < 2:
+            raise DFlashConfigError(flag, f"the block must hold the last token and >= 1 draft, got {value}")
+    target_path = server_args.model_path
+    if not os.path.isfile(os.path.join(target_path, "config.json")):
+        raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json (hub ids are not resolved offline)")
+    target = TargetInfo.from_pretrained(target_path, context_length=server_args.context_length)
+    return load_and_validate(draft_path, target, block_size=block)

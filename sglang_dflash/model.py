@@ -1,0 +1,212 @@
+"""The DFlash draft network on SGLang layers (parallel linears, RMSNorm, RoPE, RadixAttention).
+
+The draft owns no embedding and no lm_head: the worker feeds it the target's embeddings of
+``[last token, mask x (B-1)]`` and reads its hidden states through the target's lm_head.
+Its attention sees, per layer, the context K/V that the worker wrote into the draft KV cache
+from target hidden states (``context_kv``), plus the block itself:
+
+* full layers are ``ENCODER_ONLY``, i.e. bidirectional over the block and the whole context;
+* ``sliding_attention`` layers are causal ``DECODER`` layers with the configured window.
+
+The math is the one in :mod:`sglang_dflash.reference`; GPU tests compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.runtime_context import get_parallel
+
+from .config import IGNORED_TENSOR_SUFFIXES, DFlashConfigError, DFlashDraftConfig, canonical_tensor_name
+
+
+def _draft_config(hf_config) -> DFlashDraftConfig:
+    return DFlashDraftConfig.from_dict(hf_config.to_dict(), source=getattr(hf_config, "_name_or_path", None))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashDraftConfig, layer_id: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        tp = get_parallel().tp_size
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp)
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * hd, cfg.hidden_size, bias=False,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
+        )
+        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            hd, rotary_dim=hd, max_position=cfg.max_position_embeddings or 32768,
+            base=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+        )
+        sliding = cfg.layer_types[layer_id] == "sliding_attention"
+        self.attn = RadixAttention(
+            self.num_heads, hd, hd**-0.5, self.num_kv_heads, layer_id=layer_id,
+            # SGLang's window counts the keys left of the query; the checkpoint's includes it.
+            sliding_window_size=cfg.sliding_window - 1 if sliding else -1,
+            attn_type=AttentionType.DECODER if sliding else AttentionType.ENCODER_ONLY,
+            prefix=f"{prefix}.attn",
+        )
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x.reshape(-1, self.head_dim)).view_as(x)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm))
+        out, _ = self.o_proj(self.attn(q, k, v, forward_batch))
+        return out
+
+    def context_kv(self, positions: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated at the token's absolute position) and V of projected target context."""
+        w = self.qkv_proj.weight[self.q_size :]  # K and V rows only: Q of context is never used
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        k = self._norm_heads(k, self.k_norm)
+        _, k = self.rotary_emb(positions, torch.empty_like(k), k)
+        return k.view(-1, self.num_kv_heads, self.head_dim), v.reshape(-1, self.num_kv_heads, self.head_dim)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashDraftConfig, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, bias=False,
+            quant_config=quant_config, prefix=f"{prefix}.down_proj",
+        )
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act(gate_up))
+        return out
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashDraftConfig, layer_id: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg, layer_id, quant_config, prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = DFlashMLP(cfg, quant_config, prefix=f"{prefix}.mlp")
+
+    def forward(self, positions, hidden, residual, forward_batch):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DFlashDraftModel(nn.Module):
+    """Registered under the checkpoint's architecture name ``DFlashDraftModel``."""
+
+    # Weight names in the checkpoint -> (fused parameter, shard id).
+    STACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        cfg = _draft_config(config)
+        self.dflash_config = cfg
+        self.block_size = cfg.block_size
+        self.layers = nn.ModuleList(
+            DFlashLayer(cfg, i, quant_config, prefix=f"layers.{i}") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # K is fixed by the checkpoint: taps listed, else one per draft layer (the default rule).
+        num_features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_hidden_layers
+        self.fc = nn.Linear(num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def get_attention_sliding_window_size(self) -> Optional[int]:
+        cfg = self.dflash_config
+        return cfg.sliding_window - 1 if cfg.has_sliding_layers else None
+
+    def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        if target_hidden.shape[-1] != self.fc.in_features:
+            raise RuntimeError(
+                f"DFlash draft expects {self.fc.in_features} context features per token "
+                f"(fc.weight), the target captured {target_hidden.shape[-1]}"
+            )
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+        get_embedding: bool = False,
+        pp_proxy_tensors=None,
+    ) -> LogitsProcessorOutput:
+        if input_embeds is None:
+            raise RuntimeError("the DFlash draft runs on the target's embeddings (input_embeds)")
+        hidden, residual = input_embeds, None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if hidden.numel():
+            hidden, _ = self.norm(hidden, residual)
+        return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        unloaded = set(params)
+        for raw_name, tensor in weights:
+            name = canonical_tensor_name(raw_name)
+            if name.endswith(IGNORED_TENSOR_SUFFIXES):
+                continue
+            shard = None
+            for ckpt, (fused, shard_id) in self.STACKED.items():
+                if f".{ckpt}." in name:
+                    name, shard = name.replace(f".{ckpt}.", f".{fused}."), shard_id
+                    break
+            if name not in params:
+                raise DFlashConfigError(raw_name, "unexpected tensor in the draft checkpoint")
+            param = params[name]
+            if shard is None:
+                if tuple(param.shape) != tuple(tensor.shape) and name == "fc.weight":
+                    raise DFlashConfigError(raw_name, f"shape {list(tensor.shape)}, expected {list(param.shape)}")
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            unloaded.discard(name)
+        if unloaded:
+            raise DFlashConfigError("weights", f"the checkpoint lacks {sorted(unloaded)[:6]}")
+
+
+EntryClass = DFlashDraftModel

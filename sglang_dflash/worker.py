@@ -1,0 +1,402 @@
+"""The plugin's DFLASH speculative worker for SGLang's spec-v2 scheduler (overlap or not).
+
+One decode step for a batch of requests, each with ``seq_len`` committed tokens in the target KV
+and one pending token (the previous step's bonus):
+
+1. :meth:`DFlashWorker.draft_step`: block ``[bonus, mask x (B-1)]`` at positions
+   ``seq_len + 0..B-1`` through the draft in one non-causal pass; greedy drafts from the
+   target's lm_head.
+2. :meth:`DFlashWorker.verify_step`: the target runs the B candidates causally (TARGET_VERIFY),
+   returning logits and the tapped hidden states for every candidate.
+3. :meth:`DFlashWorker.accept_step`: longest prefix where draft == target choice, plus the
+   target's bonus token (greedy argmax, or a target sample for temperature > 0).
+4. :meth:`DFlashWorker.commit_context`: draft K/V for the ``accept + 1`` committed positions,
+   from the verify's hidden states. Rejected rows are never written.
+
+KV slots: the scheduler reserves ``committed + 2B`` slots per request ahead of each step
+(``DFlashDraftInputV2.prepare_for_decode``); target and draft KV share that index space, and the
+next step overwrites any rejected tail, so nothing is freed or leaked per step.
+
+The scheduler-facing data classes (``DFlashDraftInputV2``, ``DFlashVerifyInput``) are SGLang's:
+the scheduler, FutureMap and attention backends branch on their types.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from sglang.srt.configs.hybrid_arch import mambaish_config
+from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_gather
+from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.runtime_context import get_exec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker, make_draft_input_v2
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
+
+from .config import DFlashConfigError, TargetInfo
+from .ops import accept_block, prepare_block
+
+logger = logging.getLogger("sglang_dflash")
+
+MASK_TOKEN = "<|MASK|>"
+
+
+@dataclass
+class DraftBlock:
+    candidates: torch.Tensor  # [bs, B]: last committed token, then B-1 drafts
+    positions: torch.Tensor  # [bs*B]
+    cache_loc: torch.Tensor  # [bs, B] KV slots of the block positions
+
+
+@dataclass
+class Accepted:
+    accept_len: torch.Tensor  # [bs] drafts accepted
+    commit_len: torch.Tensor  # [bs] accept_len + 1 (the bonus)
+    bonus: torch.Tensor  # [bs] next step's pending token
+    out_tokens: torch.Tensor  # [bs, B]: committed tokens first
+    new_seq_lens: torch.Tensor  # [bs]
+
+
+class GreedyDraftHead:
+    """argmax of the target lm_head over block slots 1..B-1, folded into the draft CUDA graph.
+
+    Writes into a static buffer so graph replays leave the tokens in place. With TP each rank
+    reduces its vocab shard, then ranks compare maxima; the lowest rank wins ties, as argmax does.
+    """
+
+    def __init__(self, lm_head, block_size: int, max_bs: int):
+        self.weight = lm_head.weight
+        shard = getattr(lm_head, "shard_indices", None)
+        self.vocab_start = int(shard.org_vocab_start_index) if shard is not None else 0
+        self.vocab_rows = int(shard.num_org_elements) if shard is not None else self.weight.shape[0]
+        self.block_size = block_size
+        self.tp_size = get_tp_group().world_size
+        self.out = torch.zeros(max_bs * (block_size - 1), dtype=torch.int64, device=self.weight.device)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        hs = hidden.view(-1, self.block_size, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+        logits = hs.to(self.weight.dtype) @ self.weight[: self.vocab_rows].T  # padded rows excluded
+        best, idx = logits.max(dim=-1)
+        idx = idx + self.vocab_start
+        if self.tp_size > 1:
+            best = tensor_model_parallel_all_gather(best[None], dim=0)
+            idx = tensor_model_parallel_all_gather(idx[None], dim=0)
+            idx = idx.gather(0, best.argmax(dim=0, keepdim=True))[0]
+        n = idx.shape[0]
+        self.out[:n].copy_(idx)
+        return self.out[:n]
+
+    def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
+        self(out.hidden_states)
+
+
+class DFlashWorker(BaseSpecWorker):
+    """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
+
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self.ps = ps
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.device = target_worker.device
+        target_config = self.model_runner.model_config
+        if mambaish_config(target_config) is not None:
+            raise DFlashConfigError(
+                "--model-path", "hybrid (mamba / linear-attention) targets are not supported by sglang-dflash yet"
+            )
+        bundle = build_draft_tp_worker(
+            server_args=server_args, gpu_id=gpu_id, ps=replace(ps, pp_rank=0), nccl_port=nccl_port,
+            target_model_config=target_config, algo_label="DFLASH",
+        )
+        self._draft_worker = bundle.draft_worker
+        self.draft_model_runner = bundle.draft_model_runner
+        self.draft_model = bundle.draft_model
+        text = target_config.hf_text_config
+        target = TargetInfo(text.hidden_size, text.num_hidden_layers, target_config.vocab_size, target_config.context_len)
+        self.block_size = int(server_args.speculative_num_draft_tokens)
+        self.speculative_num_draft_tokens = self.block_size
+        self.config = self.draft_model.dflash_config.with_block_size(self.block_size).resolve_for_target(target)
+        self.mask_token_id = self._resolve_mask_token_id()
+        self.draft_head: Optional[GreedyDraftHead] = None  # set with the CUDA graphs
+        self._sampling_warning_done = False
+        if ps.tp_rank == 0:
+            logger.info(
+                "DFLASH is served by sglang-dflash: block_size=%d, mask_token_id=%d, draft layers=%d (%s), "
+                "target_layer_ids=%s, draft attention backend=%s",
+                self.block_size, self.mask_token_id, self.config.num_hidden_layers,
+                ",".join(sorted(set(self.config.layer_types))), list(self.config.target_layer_ids),
+                bundle.resolved_attention_backend,
+            )
+
+    def _resolve_mask_token_id(self) -> int:
+        if self.config.mask_token_id is not None:
+            return self.config.mask_token_id
+        tokenizer = getattr(self._target_worker, "tokenizer", None)
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        token_id = vocab.get(getattr(tokenizer, "mask_token", None) or MASK_TOKEN, vocab.get(MASK_TOKEN))
+        if token_id is None or token_id >= self.model_runner.model_config.vocab_size:
+            raise DFlashConfigError(
+                "mask_token_id", f"absent from dflash_config and {MASK_TOKEN!r} is not in the target vocabulary"
+            )
+        return int(token_id)
+
+    # ---- what the scheduler expects of a spec worker -------------------------------------
+
+    @property
+    def draft_worker(self):
+        return self._draft_worker
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return (self.model_runner.attn_backend, self.draft_model_runner.attn_backend)
+
+    def __getattr__(self, name):
+        # The scheduler uses the spec worker as its model worker; the rest is the target's.
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
+        # The draft KV buffer is its own, but indexed by the target's slots and request table.
+        self._draft_worker.alloc_memory_pool(
+            memory_pool_config=memory_pool_config,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        )
+
+    def init_attention_backends(self):
+        self._draft_worker.init_attention_backends()
+
+    def init_cuda_graphs(self):
+        graphs = get_exec().graph.cuda_graph_config.decode
+        capture = graphs.backend != Backend.DISABLED
+        lm_head = self.model_runner.model.lm_head
+        self.draft_head = GreedyDraftHead(lm_head, self.block_size, max(graphs.bs) if capture else 1)
+        # A quantised lm_head needs its own kernels: leave the head out of the graph then.
+        if capture and torch.is_floating_point(lm_head.weight):
+            self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
+        self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+
+    # ---- one scheduler step ------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
+        if getattr(batch, "return_logprob", False):
+            raise ValueError("DFLASH does not support return_logprob")
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self.prefill_step(batch, on_publish)
+        if batch.spec_info is None:
+            batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
+        if batch.forward_mode.is_idle():
+            return self._idle_result(on_publish)
+
+        batch.seq_lens.record_stream(torch.cuda.current_stream())  # may come from the FutureMap stream
+        block = self.draft_step(batch)
+        grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
+        logits_output, can_run_graph = self.verify_step(batch, block)
+        if grammar_tree is not None:
+            mask = build_grammar_vocab_mask(
+                reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
+                device=logits_output.next_token_logits.device, barrier=grammar_barrier,
+            )
+            if mask is not None:
+                mask.apply(logits_output.next_token_logits)
+        accepted = self.accept_step(batch, block, logits_output.next_token_logits)
+        if on_publish is not None:
+            on_publish(accepted.new_seq_lens)
+        self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
+        logits_output.hidden_states = None  # never copied to the host
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=accepted.out_tokens.reshape(-1),
+            accept_lens=accepted.commit_len,
+            can_run_cuda_graph=can_run_graph,
+            next_draft_input=make_draft_input_v2(bonus_tokens=accepted.bonus, new_seq_lens=accepted.new_seq_lens),
+            speculative_num_draft_tokens=self.block_size,
+            new_seq_lens=accepted.new_seq_lens,
+        )
+
+    def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
+        """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
+        result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        hidden = result.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("the target returned no tapped hidden states; does it support DFLASH capture?")
+        # Write now: the scheduler may insert these tokens into the radix cache right after.
+        ext = torch.tensor(batch.extend_lens, dtype=torch.int64, device=self.device)
+        pre = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=self.device)
+        first = torch.cumsum(ext, 0) - ext
+        idx = torch.arange(int(ext.sum()), device=self.device)
+        positions = idx - torch.repeat_interleave(first - pre, ext)
+        self.write_context_kv(hidden, positions, batch.out_cache_loc)
+        result.logits_output.hidden_states = None
+        result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
+        return result
+
+    def draft_step(self, batch) -> DraftBlock:
+        """One parallel draft pass over ``[bonus, mask...]``; returns the B verify candidates."""
+        bs, B = len(batch.seq_lens), self.block_size
+        block_ids = torch.empty((bs, B), dtype=torch.int64, device=self.device)
+        positions = torch.empty((bs, B), dtype=torch.int64, device=self.device)
+        cache_loc = torch.empty((bs, B), dtype=torch.int64, device=self.device)
+        prepare_block(
+            batch.spec_info.bonus_tokens, batch.seq_lens, batch.req_pool_indices,
+            self.model_runner.req_to_token_pool.req_to_token, self.mask_token_id, block_ids, positions, cache_loc,
+        )
+        embeds = self.model_runner.model.get_input_embeddings()(block_ids).view(bs * B, -1)
+        seq_lens_cpu = self._host_seq_lens_bound(batch)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.view(-1),
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=cache_loc.view(-1),
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_cpu=seq_lens_cpu,
+            positions=positions.view(-1),
+            input_embeds=embeds,
+            spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=DFlashVerifyInput(
+                draft_token=block_ids.view(-1), positions=positions.view(-1), draft_token_num=B,
+                capture_hidden_mode=CaptureHiddenMode.NULL,
+            ),
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+        )
+        with torch.inference_mode():
+            out = self.draft_model_runner.forward(forward_batch)
+        if out.can_run_graph and self.draft_model_runner.capture_tail_hooks:
+            drafts = self.draft_head.out[: bs * (B - 1)]
+        else:
+            drafts = self.draft_head(out.logits_output.hidden_states)
+        candidates = block_ids.clone()
+        candidates[:, 1:] = drafts.view(bs, B - 1)
+        return DraftBlock(candidates, positions.view(-1), cache_loc)
+
+    def _host_seq_lens_bound(self, batch) -> torch.Tensor:
+        """Host-side upper bound of each request's attended length (committed + one block)."""
+        if batch.seq_lens_cpu is not None:
+            return (batch.seq_lens_cpu + self.block_size).to(torch.int32)
+        reserved = batch.spec_info.reserved_seq_lens_cpu
+        if reserved is not None:
+            return reserved.to(torch.int32)
+        return (batch.seq_lens.cpu() + self.block_size).to(torch.int32)
+
+    def verify_step(self, batch, block: DraftBlock):
+        """The target over the B candidates (causal, one pass); returns logits and hidden states."""
+        verify_input = DFlashVerifyInput(
+            draft_token=block.candidates.view(-1), positions=block.positions,
+            draft_token_num=self.block_size, capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        batch.out_cache_loc = block.cache_loc.view(-1)
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        bound = self._host_seq_lens_bound(batch)
+        batch.seq_lens_cpu, batch.seq_lens_sum = bound, int(bound.sum())
+        forward_batch, _ = verify_input.prepare_for_verify(batch, self._target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = self._target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+        )
+        return out.logits_output, out.can_run_cuda_graph
+
+    def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor) -> Accepted:
+        """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft)."""
+        bs, B = block.candidates.shape
+        info = batch.sampling_info
+        if info is not None:
+            self._apply_logit_adjustments(logits, info, bs)
+        if info is None or info.is_all_greedy:
+            target_tokens = logits.argmax(dim=-1)
+        else:
+            target_tokens = sample_per_position(logits, info, B)
+        target_tokens = target_tokens.view(bs, B).to(torch.int64)
+        acc = Accepted(
+            accept_len=torch.empty(bs, dtype=torch.int32, device=self.device),
+            commit_len=torch.empty(bs, dtype=torch.int32, device=self.device),
+            bonus=torch.empty(bs, dtype=torch.int64, device=self.device),
+            out_tokens=torch.empty((bs, B), dtype=torch.int64, device=self.device),
+            new_seq_lens=torch.empty(bs, dtype=batch.seq_lens.dtype, device=self.device),
+        )
+        accept_block(
+            block.candidates, target_tokens, batch.seq_lens,
+            acc.accept_len, acc.commit_len, acc.bonus, acc.out_tokens, acc.new_seq_lens,
+        )
+        return acc
+
+    @staticmethod
+    def _apply_logit_adjustments(logits: torch.Tensor, info, bs: int) -> None:
+        """Penalties, logit bias and custom processors, once per request, broadcast over the block."""
+        needs = (
+            info.logit_bias is not None
+            or info.acc_additive_penalties is not None
+            or info.acc_scaling_penalties is not None
+            or (info.penalizer_orchestrator is not None and info.penalizer_orchestrator.is_required)
+        )
+        if info.has_custom_logit_processor:
+            from sglang.srt.layers.sampler import apply_custom_logit_processor
+
+            apply_custom_logit_processor(logits, info, num_tokens_in_batch=logits.shape[0] // bs)
+        if needs:
+            bias = torch.zeros((bs, logits.shape[-1]), dtype=torch.float32, device=logits.device)
+            info.apply_logits_bias(bias)
+            logits.view(bs, -1, logits.shape[-1]).add_(bias[:, None, :].to(logits.dtype))
+
+    def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor) -> None:
+        """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""
+        if hidden is None:
+            raise RuntimeError("target verify returned no tapped hidden states")
+        self.write_context_kv(hidden, block.positions, block.cache_loc, commit_len)
+
+    @torch.inference_mode()
+    def write_context_kv(self, hidden, positions, cache_loc, commit_len=None) -> None:
+        """Project target features once, then per draft layer write K (normed, rotated) and V."""
+        if hidden.numel() == 0:
+            return
+        ctx = self.draft_model.project_target_hidden(hidden)
+        pool = self.draft_model_runner.token_to_kv_pool
+        for layer in self.draft_model.layers:
+            attn = layer.self_attn
+            k, v = attn.context_kv(positions, ctx)
+            if commit_len is None:
+                pool.set_kv_buffer(attn.attn, cache_loc, k, v, attn.attn.k_scale, attn.attn.v_scale)
+            else:
+                pool.set_kv_buffer_prefix_valid(
+                    attn.attn, cache_loc, commit_len, k, v, attn.attn.k_scale, attn.attn.v_scale
+                )
+
+    def _idle_result(self, on_publish) -> GenerationBatchResult:
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if on_publish is not None:
+            on_publish(empty)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=empty,
+            accept_lens=torch.empty((0,), dtype=torch.int32, device=self.device),
+            next_draft_input=make_draft_input_v2(bonus_tokens=empty, new_seq_lens=empty),
+            can_run_cuda_graph=False,
+            speculative_num_draft_tokens=self.block_size,
+            new_seq_lens=empty,
+        )
+
+
+def sample_per_position(logits: torch.Tensor, info, block_size: int) -> torch.Tensor:
+    """One target sample per verify position with each request's temperature/top-k/top-p/min-p."""
+    expand = lambda t: t.view(-1).repeat_interleave(block_size)  # noqa: E731
+    probs = torch.softmax(logits.float() / expand(info.temperatures)[:, None], dim=-1)
+    return top_k_top_p_min_p_sampling_from_probs_torch(
+        probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),
+        info.need_min_p_sampling, None, None,
+    ).to(torch.int64)

@@ -1,0 +1,162 @@
+"""Checkpoint parsing and start-up validation: each bad input gets one error naming its field."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import draft_config_dict, target_info, write_checkpoint
+
+
+from sglang_dflash.config import (
+    DFlashConfigError,
+    DFlashDraftConfig,
+    TargetInfo,
+    default_target_layer_ids,
+    load_and_validate,
+)
+
+
+def parse(**overrides):
+    return DFlashDraftConfig.from_dict(draft_config_dict(**overrides))
+
+
+def test_published_qwen3_8b_layout_parses():
+    cfg = DFlashDraftConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "hidden_size": 4096, "num_hidden_layers": 5,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
+        "block_size": 16, "num_target_layers": 36,
+        "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
+    })
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 151669, (1, 9, 17, 25, 33))
+    assert cfg.layer_types == ("full_attention",) * 5 and not cfg.has_sliding_layers
+
+
+def test_block_size_in_dflash_config_wins_over_top_level():
+    cfg = parse(block_size=16, dflash_config={"block_size": 8, "target_layer_ids": [1], "mask_token_id": 3})
+    assert cfg.block_size == 8
+    assert parse(block_size=4).block_size == 4
+    raw = draft_config_dict()
+    del raw["block_size"]
+    assert DFlashDraftConfig.from_dict(raw).block_size == 16
+
+
+def test_default_target_layer_ids_match_published_drafts():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B-DFlash-b16
+    assert default_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]  # Qwen3.5-35B-A3B
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
+    assert default_target_layer_ids(30, 1) == [15]
+    cfg = parse(dflash_config={"mask_token_id": 1}).resolve_for_target(target_info())
+    assert cfg.target_layer_ids == (1, 5)  # 8-layer target, 2 draft layers
+
+
+def test_sliding_window_layers():
+    cfg = parse(layer_types=["sliding_attention", "full_attention"], sliding_window=2048)
+    assert cfg.has_sliding_layers and cfg.sliding_window == 2048
+    assert parse(layer_types=["full_attention"] * 2, sliding_window=2048).sliding_window is None
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(architectures=["LlamaForCausalLM"]), "architectures"),
+        (dict(block_size=1, dflash_config={"target_layer_ids": [1]}), "block_size"),
+        (dict(dflash_config={"block_size": 0}), "block_size"),
+        (dict(dflash_config={"target_layer_ids": []}), "target_layer_ids"),
+        (dict(dflash_config={"target_layer_ids": [1, -2]}), "target_layer_ids[1]"),
+        (dict(dflash_config={"mask_token_id": "x"}), "mask_token_id"),
+        (dict(layer_types=["full_attention"]), "layer_types"),
+        (dict(layer_types=["full_attention", "linear_attention"]), "layer_types[1]"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(hidden_size=None), "hidden_size"),
+    ],
+)
+def test_bad_config_fields_are_named(overrides, field):
+    with pytest.raises(DFlashConfigError) as e:
+        parse(**overrides)
+    assert e.value.field == field
+    assert field in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, target, field",
+    [
+        ({}, TargetInfo(hidden_size=96, num_layers=8, vocab_size=256), "hidden_size"),
+        ({}, TargetInfo(hidden_size=64, num_layers=4, vocab_size=256), "target_layer_ids[2]"),
+        (dict(vocab_size=None), TargetInfo(hidden_size=64, num_layers=8, vocab_size=250), "mask_token_id"),
+        (dict(vocab_size=300), target_info(), "vocab_size"),
+        (dict(dflash_config={"block_size": 64, "mask_token_id": 1}),
+         TargetInfo(hidden_size=64, num_layers=8, vocab_size=256, context_length=32), "block_size"),
+    ],
+)
+def test_target_mismatches_are_named(overrides, target, field):
+    with pytest.raises(DFlashConfigError) as e:
+        parse(**overrides).resolve_for_target(target)
+    assert e.value.field == field
+
+
+def test_checkpoint_with_and_without_model_prefix_loads(tmp_path):
+    for prefix in ("", "model."):
+        path = write_checkpoint(str(tmp_path / f"d{prefix}"), prefix=prefix)
+        cfg = load_and_validate(path, target_info())
+        assert cfg.num_context_features == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(drop=("layers.1.mlp.up_proj.weight",)), "missing tensors [layers.1.mlp.up_proj.weight]"),
+        (dict(extra={"embed_tokens.weight": torch.zeros(256, 64)}), "unexpected tensors [embed_tokens.weight]"),
+        (dict(shapes={"fc.weight": (64, 128)}), "fc.weight: has shape [64, 128], expected [64, 192]"),
+    ],
+)
+def test_missing_extra_and_misshapen_tensors(tmp_path, kwargs, needle):
+    path = write_checkpoint(str(tmp_path / "d"), **kwargs)
+    with pytest.raises(DFlashConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        load_and_validate(path, target_info())
+
+
+def test_rotary_buffers_are_ignored(tmp_path):
+    path = write_checkpoint(str(tmp_path / "d"), extra={"layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)})
+    load_and_validate(path, target_info())
+
+
+def test_truncated_and_corrupt_safetensors(tmp_path):
+    path = write_checkpoint(str(tmp_path / "d"))
+    weights = os.path.join(path, "model.safetensors")
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[: len(data) // 2])
+    with pytest.raises(DFlashConfigError, match="truncated"):
+        load_and_validate(path, target_info())
+    open(weights, "wb").write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(DFlashConfigError, match="unreadable safetensors"):
+        load_and_validate(path, target_info())
+
+
+def test_wrong_path_and_broken_json(tmp_path):
+    with pytest.raises(DFlashConfigError, match="is not a directory"):
+        load_and_validate(str(tmp_path / "nope"), target_info())
+    (tmp_path / "d").mkdir()
+    with pytest.raises(DFlashConfigError, match="config.json: missing"):
+        load_and_validate(str(tmp_path / "d"), target_info())
+    (tmp_path / "d" / "config.json").write_text("{")
+    with pytest.raises(DFlashConfigError, match="not valid JSON"):
+        load_and_validate(str(tmp_path / "d"), target_info())
+    (tmp_path / "d" / "config.json").write_text(json.dumps(draft_config_dict()))
+    with pytest.raises(DFlashConfigError, match="no \\*.safetensors"):
+        load_and_validate(str(tmp_path / "d"), target_info())
+
+
+def test_block_size_flag_overrides_checkpoint(tmp_path):
+    path = write_checkpoint(str(tmp_path / "d"))
+    assert load_and_validate(path, target_info(), block_size=4).block_size == 4
+    with pytest.raises(DFlashConfigError, match="block_size"):
+        load_and_validate(path, target_info(), block_size=1)
+
+
+def test_target_info_reads_nested_text_config():
+    t = TargetInfo.from_dict({"text_config": {"hidden_size": 8, "num_hidden_layers": 3, "vocab_size": 10}})
+    assert (t.hidden_size, t.num_layers, t.vocab_size) == (8, 3, 10)
+

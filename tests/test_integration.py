@@ -1,0 +1,136 @@
+"""Registration through SGLang's plugin framework: entry point, DFLASH takeover, builtin fallback.
+
+Each case runs in a fresh interpreter, as SGLang's launcher and schedulers do, because plugin
+loading is once per process.
+"""
+
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+from conftest import write_checkpoint, write_target
+
+from sglang_dflash import integration
+
+
+def run_python(code, **env):
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, **env},
+    )
+    return out
+
+
+TAKEOVER = """
+    from types import SimpleNamespace
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    cls = SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace())
+    print("DFLASH->" + cls.__module__ + "." + cls.__name__)
+    eagle = SpeculativeAlgorithm.EAGLE.create_worker(SimpleNamespace(enable_multi_layer_eagle=False))
+    print("EAGLE->" + eagle.__name__)
+    from sglang.srt.models.registry import ModelRegistry
+    print("MODEL->" + ModelRegistry.models["DFlashDraftModel"].__module__)
+"""
+
+
+def test_entry_point_is_declared():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("dflash") == "sglang_dflash.integration:register"
+
+
+def test_dflash_routes_to_the_plugin_worker_and_model():
+    out = run_python(TAKEOVER, SGLANG_PLUGINS="dflash")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DFLASH->sglang_dflash.worker.DFlashWorker" in out.stdout
+    assert "EAGLE->EAGLEWorkerV2" in out.stdout  # other algorithms untouched
+    assert "MODEL->sglang_dflash.model" in out.stdout
+
+
+def test_builtin_switch_gives_sglang_its_own_dflash_back():
+    out = run_python(TAKEOVER, SGLANG_PLUGINS="dflash", SGLANG_DFLASH_IMPL="builtin")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DFLASH->sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2" in out.stdout
+    assert "MODEL->sglang.srt.models.dflash" in out.stdout
+
+
+def test_unknown_impl_value_is_refused():
+    out = run_python(TAKEOVER, SGLANG_PLUGINS="dflash", SGLANG_DFLASH_IMPL="fast")
+    assert "SGLANG_DFLASH_IMPL='fast' is not one of plugin, builtin" in out.stdout + out.stderr
+
+
+def server_args(tmp_path, **overrides):
+    args = dict(
+        model_path=write_target(str(tmp_path / "target")),
+        speculative_draft_model_path=write_checkpoint(str(tmp_path / "draft")),
+        speculative_num_draft_tokens=None, speculative_dflash_block_size=None,
+        speculative_draft_window_size=None, context_length=None, pp_size=1, enable_dp_attention=False,
+    )
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+def test_args_hook_validates_then_defers_to_sglang(tmp_path):
+    seen = []
+    args = server_args(tmp_path)
+    integration.handle_dflash_args_hook(seen.append, args)
+    assert seen == [args] and args.speculative_num_draft_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(pp_size=2), "--pp-size: DFLASH needs pp_size 1, got 2"),
+        (dict(speculative_num_draft_tokens=1), "--speculative-num-draft-tokens: the block must hold"),
+        (dict(speculative_draft_model_path="/no/such/draft"), "'/no/such/draft' is not a directory"),
+        (dict(context_length=8), "block_size: 16 exceeds the context length 8"),
+        (dict(enable_dp_attention=True), "--enable-dp-attention"),
+    ],
+)
+def test_args_hook_exits_with_one_clear_line(tmp_path, overrides, message):
+    with pytest.raises(SystemExit) as e:
+        integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path, **overrides))
+    assert str(e.value).startswith("sglang-dflash: ") and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_hooked_sglang_arg_policy_rejects_bad_draft(tmp_path):
+    """Through the real hook registry: SGLang's own _handle_dflash now validates first."""
+    target = write_target(str(tmp_path / "target"), hidden_size=96)
+    draft = write_checkpoint(str(tmp_path / "draft"))
+    code = f"""
+        from types import SimpleNamespace
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.arg_groups import speculative_hook
+        speculative_hook._handle_dflash(SimpleNamespace(
+            model_path={target!r}, speculative_draft_model_path={draft!r}, speculative_num_draft_tokens=None,
+            speculative_dflash_block_size=None, speculative_draft_window_size=None, context_length=None,
+            pp_size=1, enable_dp_attention=False))
+    """
+    out = run_python(code, SGLANG_PLUGINS="dflash")
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang-dflash: DFlash draft in") and "hidden_size: draft has 64 but the target has 96" in last
+    assert "Traceback" not in out.stderr
+
+
+def test_version_gate_keeps_builtin_on_untested_sglang(monkeypatch):
+    registered = []
+    from sglang.srt.plugins import hook_registry
+
+    monkeypatch.setattr(hook_registry.HookRegistry, "register", lambda *a, **k: registered.append(a[0]))
+    monkeypatch.setattr(integration, "sglang_version", lambda: "0.5.99")
+    integration.register()
+    assert registered == [integration.HANDLE_DFLASH_ARGS]  # only the "built-in serves" log line
+    monkeypatch.setattr(integration, "sglang_version", lambda: "0.5.17")
+    registered.clear()
+    integration.register()
+    assert registered == [integration.CREATE_WORKER, integration.HANDLE_DFLASH_ARGS]
+
