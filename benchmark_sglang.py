@@ -51,6 +51,7 @@ class ServerSpec:
     draft_model_path: Optional[str] = None
     block_size: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict = field(default_factory=dict)
 
     def command(self, port: int) -> list[str]:
         if self.impl not in IMPLEMENTATIONS and not self.impl.startswith("spec:"):
@@ -69,7 +70,7 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
     def env(self) -> dict:
-        return {**os.environ, **IMPLEMENTATIONS.get(self.impl, ([], {}))[1]}
+        return {**os.environ, **IMPLEMENTATIONS.get(self.impl, ([], {}))[1], **self.extra_env}
 
     @property
     def label(self) -> str:

@@ -24,6 +24,10 @@ import os
 logger = logging.getLogger("sglang_dflash")
 
 IMPL_ENV = "SGLANG_DFLASH_IMPL"
+# Opt-in, for correctness runs: SGLang's CUDA rmsnorm kernel has no float32 path, so
+# ``--dtype float32`` servers (AR included) fail without it.
+FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"
+RMSNORM_CUDA = "sglang.srt.layers.layernorm.RMSNorm.forward_cuda"
 IMPLEMENTATIONS = ("plugin", "builtin")
 # Hook targets were read in these SGLang releases; anything else keeps the built-in.
 SUPPORTED_SGLANG = ("0.5.17",)
@@ -51,6 +55,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     impl = selected_implementation()
+    if os.environ.get(FP32_NORM_ENV) == "1":
+        HookRegistry.register(RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
     found = sglang_version()
     if impl == "plugin" and found not in SUPPORTED_SGLANG:
         logger.warning(
@@ -63,6 +69,15 @@ def register() -> None:
         HookRegistry.register(HANDLE_DFLASH_ARGS, handle_dflash_args_hook, HookType.AROUND)
     else:
         HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin_hook, HookType.AROUND)
+
+
+def fp32_rmsnorm_hook(original, self, x, *args, **kwargs):
+    """Float32 activations take SGLang's own torch implementation; other dtypes the kernel."""
+    import torch
+
+    if x.dtype == torch.float32:
+        return self.forward_native(x, *args, **kwargs)
+    return original(self, x, *args, **kwargs)
 
 
 def create_worker_hook(original, self, server_args):
