@@ -176,7 +176,8 @@ class DFlashDraftModel(nn.Module):
     ) -> LogitsProcessorOutput:
         if input_embeds is None:
             raise RuntimeError("the DFlash draft runs on the target's embeddings (input_embeds)")
-        hidden, residual = input_embeds, None
+        # SGLang's eager extend path hands embeddings over as bf16 whatever the model dtype.
+        hidden, residual = input_embeds.to(self.fc.weight.dtype), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
         if hidden.numel():
