@@ -92,12 +92,12 @@ class GreedyDraftHead:
             best = tensor_model_parallel_all_gather(best[None], dim=0)
             idx = tensor_model_parallel_all_gather(idx[None], dim=0)
             idx = idx.gather(0, best.argmax(dim=0, keepdim=True))[0]
-        n = idx.shape[0]
-        self.out[:n].copy_(idx)
-        return self.out[:n]
+        return idx
 
     def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
-        self(out.hidden_states)
+        """Inside the draft graph: leave the tokens where replays will find them."""
+        tokens = self(out.hidden_states)
+        self.out[: tokens.shape[0]].copy_(tokens)
 
 
 class DFlashWorker(BaseSpecWorker):
