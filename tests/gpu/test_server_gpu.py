@@ -160,7 +160,7 @@ def test_greedy_lossless_fp32_block16():
         "mismatches": len(mismatches), "mismatch_prompts": mismatches[:20],
         "accept_length": tokens / max(verify, 1), "plugin_kv_after": plugin["loads_after"], "ar_kv_after": ar["loads_after"],
     })
-    assert len(want) == N_PROMPTS and all(len(w) == NEW_TOKENS for w in want)
+    assert len(want) == N_PROMPTS and all(0 < len(w) <= NEW_TOKENS for w in want)  # EOS may end a request early
     assert not mismatches, f"{len(mismatches)} prompts differ, first {mismatches[:5]}"
     assert tokens / verify > 1.2  # the magnet drafts really get accepted in multi-token blocks
 
