@@ -18,14 +18,20 @@ from functools import lru_cache
 import pytest
 import torch
 
-from benchmark_sglang import Server, ServerSpec, get_json, kv_loads, post_json, run_requests
+from benchmark_sglang import Server, ServerSpec, kv_loads, post_json, run_requests
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.environ.get("DFLASH_GPU_RESULTS") or tempfile.mkdtemp(prefix="dflash-gpu-")
 os.makedirs(RESULTS, exist_ok=True)
 N_PROMPTS, NEW_TOKENS = int(os.environ.get("DFLASH_LOSSLESS_PROMPTS", 200)), 128
-NEAR_TIE_NATS = 0.1  # a bf16 flip is excused only when the top-2 log-probs are this close
+# A divergence is excused only on a near-tie: the AR server's top-2 log-probs there are this close.
+NEAR_TIE_NATS = {"float32": 1e-3, "bfloat16": 0.25}
+# Plugin (and built-in) runs compared against one AR server per dtype: (impl, block, extra flags).
+RUNS = {
+    "float32": [("plugin", 16, ()), ("plugin", 4, ()), ("plugin", 8, ("--disable-overlap-schedule",))],
+    "bfloat16": [("plugin", 16, ()), ("builtin", 16, ())],
+}
 COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-piecewise-cuda-graph",
           "--cuda-graph-max-bs", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
           "--log-level", "warning"]
@@ -72,26 +78,65 @@ def server_spec(impl, dtype, block=16, extra=()):
 
 
 @lru_cache(maxsize=None)
-def collect(impl, dtype="float32", block=16, extra=(), want=("greedy", "stops", "sampling")):
-    """Start one server, run the workloads named in ``want``, stop it; returns the outputs."""
-    target, draft, vocab = tiny_pair()
-    spec = server_spec(impl, dtype, block, extra)
-    log = os.path.join(RESULTS, f"server-{impl}-{dtype}-b{block}{'-'.join(extra)}.log")
+def collect(impl, dtype, block=16, extra=()):
+    """Start one server, run the greedy, stop and sampling workloads, stop it; returns the outputs."""
+    _, _, vocab = tiny_pair()
+    name = f"{impl}-{dtype}-b{block}{''.join(extra)}"
     out = {}
-    with Server(spec, log_path=log, timeout_s=600) as server:
-        if "greedy" in want:
-            res, wall = run_requests(server.url, [greedy(p) for p in prompts(N_PROMPTS, vocab)], 32)
-            out["greedy"] = res
-            out["greedy_wall_s"] = wall
-        if "stops" in want:
-            out["stops"], _ = run_requests(server.url, stop_workload(vocab), 16)
-        if "sampling" in want:
-            sample = {"input_ids": prompts(1, vocab, seed=3)[0],
-                      "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.95}}
-            out["sampling"], _ = run_requests(server.url, [sample] * 400, 64)
+    with Server(server_spec(impl, dtype, block, extra), log_path=os.path.join(RESULTS, f"server-{name}.log"),
+                timeout_s=600) as server:
+        out["greedy"], out["greedy_wall_s"] = run_requests(server.url, [greedy(p) for p in prompts(N_PROMPTS, vocab)], 32)
+        out["stops"], _ = run_requests(server.url, stop_workload(vocab), 16)
+        sample = {"input_ids": prompts(1, vocab, seed=3)[0],
+                  "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.95}}
+        out["sampling"], _ = run_requests(server.url, [sample] * 400, 64)
         out["loads_after"] = kv_loads(server.url)
-        out["server_info"] = get_json(server.url + "/server_info")
     return out
+
+
+def probe_margin(url, input_ids, prefix):
+    """Top-2 log-probs of the next token after ``input_ids + prefix``, from the AR server."""
+    probe = post_json(url + "/generate", {
+        "input_ids": list(input_ids) + list(prefix), "return_logprob": True, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    (lp1, tok1, _), (lp2, tok2, _) = probe["meta_info"]["output_top_logprobs"][0][:2]
+    return lp1 - lp2, (tok1, tok2)
+
+
+@lru_cache(maxsize=None)
+def against_ar(dtype):
+    """Every run of RUNS[dtype], then one AR server: its outputs, and a margin probe at each divergence."""
+    _, _, vocab = tiny_pair()
+    runs = {run: collect(*run[:1], dtype, *run[1:]) for run in RUNS[dtype]}
+    work = {"greedy": [greedy(p) for p in prompts(N_PROMPTS, vocab)], "stops": stop_workload(vocab)}
+    report = {}
+    with Server(server_spec("ar", dtype), log_path=os.path.join(RESULTS, f"server-ar-{dtype}.log"), timeout_s=600) as ar:
+        ar_out = {k: run_requests(ar.url, v, 32)[0] for k, v in work.items()}
+        sample = {"input_ids": prompts(1, vocab, seed=3)[0],
+                  "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.95}}
+        ar_out["sampling"], _ = run_requests(ar.url, [sample] * 400, 64)
+        ar_loads = kv_loads(ar.url)
+        for run, out in runs.items():
+            rows = []
+            for kind in ("greedy", "stops"):
+                for i, (req, a, b) in enumerate(zip(work[kind], ids(out[kind]), ids(ar_out[kind]))):
+                    d = first_divergence(a, b)
+                    if d is None:
+                        continue
+                    row = {"workload": kind, "request": i, "position": d, "ar": b[d:d + 1], "spec": a[d:d + 1]}
+                    if d < min(len(a), len(b)):
+                        row["margin_nats"], row["top2"] = probe_margin(ar.url, req["input_ids"], b[:d])
+                        row["near_tie"] = row["margin_nats"] <= NEAR_TIE_NATS[dtype] and a[d] in row["top2"]
+                    else:  # one stopped where the other went on: decided by the token before
+                        row["near_tie"] = False
+                    rows.append(row)
+            report[run] = rows
+    return runs, ar_out, ar_loads, report
+
+
+def run_name(run):
+    impl, block, extra = run
+    return f"{impl}_b{block}{''.join(extra).replace('--', '_').replace('-', '_')}"
 
 
 def ids(results):
@@ -148,93 +193,52 @@ def test_triton_kernels_match_reference():
             assert loc[r].tolist() == req_to_token[slots[r], lens[r]:lens[r] + B].tolist()
 
 
-def test_greedy_lossless_fp32_block16():
-    plugin = collect("plugin")
-    ar = collect("ar")
-    got, want = ids(plugin["greedy"]), ids(ar["greedy"])
-    mismatches = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    verify = sum(r.spec_verify_ct for r in plugin["greedy"])
-    tokens = sum(r.completion_tokens for r in plugin["greedy"])
-    save("lossless_fp32.json", {
-        "prompts": len(want), "new_tokens": NEW_TOKENS, "dtype": "float32", "block_size": 16,
-        "mismatches": len(mismatches), "mismatch_prompts": mismatches[:20],
-        "accept_length": tokens / max(verify, 1), "plugin_kv_after": plugin["loads_after"], "ar_kv_after": ar["loads_after"],
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_and_stops_match_ar_up_to_near_ties(dtype):
+    """Same greedy tokens as AR; any divergence must sit on a measured near-tie of the target."""
+    runs, ar_out, ar_loads, report = against_ar(dtype)
+    summary = {}
+    for run, rows in report.items():
+        out = runs[run]
+        toks = sum(r.completion_tokens for r in out["greedy"])
+        verify = sum(r.spec_verify_ct for r in out["greedy"])
+        summary[run_name(run)] = {
+            "greedy_mismatches": sum(r["workload"] == "greedy" for r in rows),
+            "stop_mismatches": sum(r["workload"] == "stops" for r in rows),
+            "off_near_tie": sum(not r["near_tie"] for r in rows),
+            "accept_length": toks / max(verify, 1), "kv_after": out["loads_after"],
+        }
+    save(f"lossless_{dtype}.json", {
+        "prompts": N_PROMPTS, "new_tokens": NEW_TOKENS, "dtype": dtype, "near_tie_nats": NEAR_TIE_NATS[dtype],
+        "ar_kv_after": ar_loads, "runs": summary, "divergences": {run_name(r): rows for r, rows in report.items()},
     })
-    assert len(want) == N_PROMPTS and all(0 < len(w) <= NEW_TOKENS for w in want)  # EOS may end a request early
-    assert not mismatches, f"{len(mismatches)} prompts differ, first {mismatches[:5]}"
-    assert tokens / verify > 1.2  # the magnet drafts really get accepted in multi-token blocks
-
-
-def test_stops_and_budgets_inside_blocks_fp32():
-    plugin, ar = collect("plugin"), collect("ar")
-    got, want = plugin["stops"], ar["stops"]
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.ok and w.ok, (g.error, w.error)
-        assert g.output_ids == w.output_ids, f"request {i}"
-        assert g.text == w.text
-        assert g.meta.get("finish_reason") == w.meta.get("finish_reason"), i
-
-
-@pytest.mark.parametrize("block, extra", [(4, ()), (8, ("--disable-overlap-schedule",))])
-def test_greedy_lossless_other_blocks_and_sync_scheduler(block, extra):
-    plugin = collect("plugin", block=block, extra=extra, want=("greedy",))
-    ar = collect("ar")
-    got, want = ids(plugin["greedy"]), ids(ar["greedy"])
-    mismatches = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    save(f"lossless_fp32_b{block}.json", {"block_size": block, "extra": list(extra), "mismatches": len(mismatches)})
-    assert not mismatches
+    for run, rows in report.items():
+        if run[0] == "builtin":
+            continue  # calibration only: the built-in's numerics are reported, not judged
+        off = [r for r in rows if not r["near_tie"]]
+        assert not off, (run, off[:5])
+        for a, b in zip(runs[run]["stops"], ar_out["stops"]):
+            if a.output_ids == b.output_ids:
+                assert a.meta.get("finish_reason") == b.meta.get("finish_reason")
+    plugin16 = summary[run_name(("plugin", 16, ()))]
+    assert plugin16["accept_length"] > 1.2  # the magnet drafts are accepted in multi-token blocks
 
 
 def test_temperature_sampling_follows_target_distribution():
-    plugin, ar = collect("plugin"), collect("ar")
+    runs, ar_out, _, _ = against_ar("float32")
+    plugin = runs[("plugin", 16, ())]
     tv = []
     for pos in range(1, 6):  # position 0 comes from prefill in both
-        a = Counter(r.output_ids[pos] for r in ar["sampling"] if len(r.output_ids) > pos)
+        a = Counter(r.output_ids[pos] for r in ar_out["sampling"] if len(r.output_ids) > pos)
         b = Counter(r.output_ids[pos] for r in plugin["sampling"] if len(r.output_ids) > pos)
         na, nb = sum(a.values()), sum(b.values())
         tv.append(0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b)))
-    save("sampling_tv.json", {"samples": 400, "temperature": 1.0, "tv_per_position": tv})
+    save("sampling_tv.json", {"samples": 400, "temperature": 1.0, "top_p": 0.95, "tv_per_position": tv})
     assert max(tv) < 0.15, tv  # two 400-sample estimates of one distribution
 
 
 def test_kv_pool_and_slots_back_to_idle():
-    plugin, ar = collect("plugin"), collect("ar")
-    for run in (plugin, ar):
-        loads = run["loads_after"]
+    runs, _, ar_loads, _ = against_ar("float32")
+    for loads in [ar_loads] + [out["loads_after"] for out in runs.values()]:
         assert loads.get("num_running_reqs") == 0
         assert loads.get("num_used_tokens") == 0, loads
-
-
-def divergences(url, vocab, got, want):
-    """First divergence per prompt, with the AR server's top-2 there (prefix re-run as a prefill)."""
-    out = []
-    for i, (p, a, b) in enumerate(zip(prompts(N_PROMPTS, vocab), got, want)):
-        d = first_divergence(a, b)
-        if d is None or d >= min(len(a), len(b)):
-            continue
-        probe = post_json(url + "/generate", {
-            "input_ids": p + b[:d], "return_logprob": True, "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-        (lp1, tok1, _), (lp2, tok2, _) = probe["meta_info"]["output_top_logprobs"][0][:2]
-        out.append({"prompt": i, "position": d, "ar_decode": b[d], "spec": a[d],
-                    "margin_nats": lp1 - lp2, "top2": [tok1, tok2], "spec_in_top2": a[d] in (tok1, tok2)})
-    return out
-
-
-def test_bf16_divergences_sit_on_near_ties():
-    """bf16 verify and decode kernels round differently: every divergence must be a near-tie."""
-    _, _, vocab = tiny_pair()
-    runs = {impl: ids(collect(impl, dtype="bfloat16", want=("greedy",))["greedy"]) for impl in ("plugin", "builtin")}
-    with Server(server_spec("ar", "bfloat16"), log_path=os.path.join(RESULTS, "server-ar-bf16.log"), timeout_s=600) as ar:
-        res, _ = run_requests(ar.url, [greedy(p) for p in prompts(N_PROMPTS, vocab)], 32)
-        want = ids(res)
-        report = {impl: divergences(ar.url, vocab, got, want) for impl, got in runs.items()}
-    off = {impl: [r for r in rows if r["margin_nats"] > NEAR_TIE_NATS or not r["spec_in_top2"]]
-           for impl, rows in report.items()}
-    save("lossless_bf16.json", {
-        "prompts": N_PROMPTS, "new_tokens": NEW_TOKENS, "near_tie_threshold_nats": NEAR_TIE_NATS,
-        **{f"{impl}_divergences": len(rows) for impl, rows in report.items()},
-        **{f"{impl}_off_near_tie": len(rows) for impl, rows in off.items()},
-        "details": report,
-    })
-    assert not off["plugin"], off["plugin"][:5]
