@@ -342,7 +342,11 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
             pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["dataset"] == d and r["label"] == lab)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=lab)
-        ax.set(title=d, xlabel="concurrency", ylabel="output tok/s", xscale="log")
+        concs = sorted({r["concurrency"] for r in rows})
+        ax.set(title=d, xlabel="concurrency", ylabel="output tok/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concs, [str(c) for c in concs])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()

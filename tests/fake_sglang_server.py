@@ -1,0 +1,89 @@
+"""A stand-in for an SGLang server on localhost, for CPU tests of benchmark_sglang.py.
+
+    python tests/fake_sglang_server.py --port P [--accept 3.0] [--fail-every N] [--delay-ms D]
+
+Speaks the parts of SGLang's HTTP API the benchmark uses: streamed ``/generate`` with
+``meta_info`` counters (``spec_verify_ct`` = tokens / accept), ``/health_generate``,
+``/flush_cache``, ``/v1/loads`` and ``/server_info``. Every N-th request fails with HTTP 500.
+"""
+
+import argparse
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def make_handler(args):
+    lock = threading.Lock()
+    count = {"n": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _json(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path in ("/health_generate", "/flush_cache"):
+                return self._json(200, {"ok": True})
+            if self.path == "/v1/loads":
+                return self._json(200, {"loads": [{"num_used_tokens": 0, "max_total_num_tokens": 1000,
+                                                   "num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.0}]})
+            if self.path == "/server_info":
+                return self._json(200, {"internal_states": [{"avg_spec_accept_length": args.accept}]})
+            self._json(404, {"error": "not found"})
+
+        def do_POST(self):
+            if self.path == "/flush_cache":
+                return self._json(200, {"ok": True})
+            if self.path != "/generate":
+                return self._json(404, {"error": "not found"})
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                count["n"] += 1
+                n = count["n"]
+            if args.fail_every and n % args.fail_every == 0:
+                return self._json(500, {"error": "injected failure"})
+            params = req.get("sampling_params", {})
+            prompt = req.get("text") or " ".join(map(str, req.get("input_ids", [])))
+            total = min(params.get("max_new_tokens", 16), 4 + len(prompt) % 29)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            step = max(1, int(args.accept))
+            for done in range(step, total + step, step):
+                done = min(done, total)
+                time.sleep(args.delay_ms / 1000)
+                meta = {"completion_tokens": done, "prompt_tokens": len(prompt), "finish_reason": None}
+                if args.accept > 1:
+                    meta["spec_verify_ct"] = math.ceil(done / args.accept)
+                if done == total:
+                    meta["finish_reason"] = {"type": "length", "length": total}
+                chunk = {"text": "x" * done, "output_ids": list(range(done)), "meta_info": meta}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    return Handler
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--accept", type=float, default=1.0)
+    ap.add_argument("--fail-every", type=int, default=0)
+    ap.add_argument("--delay-ms", type=float, default=1.0)
+    args, _ = ap.parse_known_args()
+    ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args)).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

