@@ -76,3 +76,17 @@ def write_target(path, **overrides):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"architectures": ["Qwen3ForCausalLM"], **TARGET, **overrides}, f)
     return path
+
+
+def write_char_tokenizer(path):
+    """A character-level tokenizer with a chat template and a mask token, saved to ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|im_end|>", "<|mask|>"] + [chr(c) for c in range(32, 127)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", mask_token="<|mask|>")
+    fast.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    fast.save_pretrained(path)
+    return fast

@@ -11,6 +11,7 @@ import zipfile
 import pytest
 
 import benchmark_sglang as bench
+from conftest import write_char_tokenizer
 from scripts import fetch_datasets as fd
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
@@ -19,16 +20,8 @@ FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A directory with just a tokenizer and a chat template, as the client needs."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<|im_end|>"] + [chr(c) for c in range(32, 127)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    fast.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
     path = str(tmp_path_factory.mktemp("chat_model"))
-    fast.save_pretrained(path)
+    write_char_tokenizer(path)
     return path
 
 

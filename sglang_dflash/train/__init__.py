@@ -1,0 +1,1 @@
+"""Training DFlash drafts: ``python -m sglang_dflash.train --help``."""

@@ -1,0 +1,256 @@
+"""Train a DFlash draft against a frozen target (the public recipe, SpecForge-style).
+
+Per sequence, anchors ``a`` are sampled among response positions; each anchor becomes a block
+``[token_a, mask x (B-1)]`` at positions ``a..a+B-1``. All blocks of a batch run in one draft
+forward: queries are the blocks, keys are the target's tapped features for the whole sequence
+(visible strictly before the anchor) plus the blocks (visible only inside their own block;
+sliding layers causally). Slot k is trained to predict the token at ``a+k`` (same-position
+labels, k >= 1) with weight ``exp(-(k-1)/gamma)``. Embedding and lm_head are the target's, frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..config import DFlashDraftConfig, default_target_layer_ids
+from ..reference import ReferenceDraft
+from .data import Example
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str
+    block_size: int = 16
+    draft_layers: int = 3
+    target_layer_ids: Optional[list[int]] = None
+    mask_token_id: Optional[int] = None
+    steps: int = 2000
+    batch_size: int = 8
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    max_length: int = 1024
+    anchors: int = 64
+    gamma: Optional[float] = None  # loss decay; default 7 for block 16, scaled with the block
+    grad_clip: float = 1.0
+    save_every: int = 500
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decay(self) -> float:
+        return self.gamma if self.gamma is not None else 7.0 * self.block_size / 16
+
+
+class FrozenTarget:
+    """A Hugging Face causal LM seen as DFlash needs it: tapped features, embedding, lm_head."""
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        self.model = model.eval().requires_grad_(False)
+        self.layer_ids = list(layer_ids)
+        self.embed = model.get_input_embeddings().weight
+        self.lm_head = model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def features(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor):
+        """The interface of ``reference.TinyTarget``: logits and the hidden-state tuple of one sequence."""
+        out = self.model(input_ids=ids[None], output_hidden_states=True)
+        return out.logits[0], [h[0] for h in out.hidden_states]
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, requested: Optional[int]) -> int:
+    """A row that already exists in the target embedding (resized rows would be untrained)."""
+    if requested is None:
+        requested = getattr(tokenizer, "mask_token_id", None)
+    if requested is None:
+        vocab = tokenizer.get_vocab()
+        requested = next((vocab[t] for t in ("<|mask|>", "<|MASK|>", "<mask>") if t in vocab), None)
+    if requested is None:
+        raise SystemExit("no mask token in the tokenizer: pass --mask-token-id (an existing, rarely used row)")
+    if not 0 <= requested < vocab_size:
+        raise SystemExit(f"--mask-token-id {requested} is outside the target vocabulary ({vocab_size})")
+    return int(requested)
+
+
+def draft_config_dict(target_config, cfg: TrainConfig, mask_token_id: int) -> dict:
+    """The z-lab ``config.json`` for a draft shaped like one target layer."""
+    t = getattr(target_config, "text_config", None) or target_config
+    taps = cfg.target_layer_ids or default_target_layer_ids(t.num_hidden_layers, cfg.draft_layers)
+    heads = t.num_attention_heads
+    rope_theta = getattr(t, "rope_theta", None) or (getattr(t, "rope_parameters", None) or {}).get("rope_theta", 1e4)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": t.hidden_size,
+        "num_hidden_layers": cfg.draft_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(t, "num_key_value_heads", heads),
+        "head_dim": getattr(t, "head_dim", None) or t.hidden_size // heads,
+        "intermediate_size": t.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": rope_theta,
+        "max_position_embeddings": t.max_position_embeddings,
+        "vocab_size": t.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_target_layers": t.num_hidden_layers,
+        "block_size": cfg.block_size,
+        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": mask_token_id, "block_size": cfg.block_size},
+    }
+
+
+def collate(examples: Sequence[Example], max_length: int, pad_id: int):
+    """Right-padded ids, attention mask, and the loss mask (response tokens only)."""
+    T = min(max_length, max(len(e.ids) for e in examples))
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), T), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), T), dtype=torch.bool)
+    for i, e in enumerate(examples):
+        n = min(len(e.ids), T)
+        ids[i, :n] = torch.tensor(e.ids[:n])
+        attn[i, :n] = 1
+        loss_mask[i, e.response_start:n] = True
+    return ids, attn, loss_mask
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to ``n`` anchors per row whose next token is supervised; -1 marks an unused slot."""
+    B, T = loss_mask.shape
+    ok = torch.zeros_like(loss_mask)
+    ok[:, :-1] = loss_mask[:, 1:]
+    anchors = torch.full((B, n), -1, dtype=torch.long)
+    for b in range(B):
+        cand = ok[b].nonzero().flatten()
+        if cand.numel():
+            pick = cand[torch.randperm(cand.numel(), generator=generator)[:n]].sort().values
+            anchors[b, : pick.numel()] = pick
+    return anchors
+
+
+def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, decay: float):
+    """Block ids, positions, same-position labels and loss weights for every anchor."""
+    B, T = ids.shape
+    offs = torch.arange(block_size)
+    valid = anchors >= 0
+    pos = anchors.clamp(min=0)[..., None] + offs  # [B, nb, bs]
+    in_seq = pos < T
+    gathered = ids.gather(1, pos.clamp(max=T - 1).flatten(1)).view_as(pos)
+    supervised = loss_mask.gather(1, pos.clamp(max=T - 1).flatten(1)).view_as(pos) & in_seq & valid[..., None]
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[..., 0] = gathered[..., 0]
+    labels = torch.where(supervised, gathered, torch.full_like(gathered, -100))
+    labels[..., 0] = -100  # slot 0 is the given token
+    weights = torch.exp(-(offs.clamp(min=1) - 1).float() / decay).expand_as(pos) * (labels >= 0)
+    return block_ids.flatten(1), pos.flatten(1), labels.flatten(1), weights.flatten(1)
+
+
+def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, loss_mask, anchors, cfg: TrainConfig,
+                      mask_token_id: int):
+    device = target.embed.device
+    ids, attn, loss_mask, anchors = (t.to(device) for t in (ids, attn, loss_mask, anchors))
+    block_ids, pos, labels, weights = block_batch(ids, loss_mask, anchors, cfg.block_size, mask_token_id, cfg.decay)
+    feats = target.features(ids, attn)
+    masks = draft.layer_masks(anchors, ids.shape[1])
+    ctx_pos = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
+    hidden = draft(target.embed[block_ids].to(feats.dtype), pos, feats, ctx_pos, masks)
+    keep = labels >= 0
+    logits = hidden[keep].to(target.lm_head.dtype) @ target.lm_head.T
+    ce = F.cross_entropy(logits.float(), labels[keep], reduction="none")
+    w = weights[keep]
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    acc = (logits.argmax(-1) == labels[keep]).float().mean() if keep.any() else loss.new_zeros(())
+    return loss, acc
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.steps * cfg.warmup_ratio))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def save_checkpoint(draft: ReferenceDraft, config: dict, out_dir: str, dtype=torch.bfloat16,
+                    state: Optional[dict] = None) -> None:
+    """The exact z-lab layout: config.json + model.safetensors (no embedding, no lm_head)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors.tmp"))
+    os.replace(os.path.join(out_dir, "model.safetensors.tmp"), os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    if state is not None:
+        torch.save(state, os.path.join(out_dir, "trainer_state.pt"))
+
+
+def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig, resume: bool = False,
+          log=print) -> str:
+    """Train and write the draft to ``cfg.out_dir``; resumes from its ``trainer_state.pt`` if asked."""
+    from tqdm import tqdm
+
+    device = next(target_model.parameters()).device
+    vocab = target_model.get_input_embeddings().weight.shape[0]
+    mask_id = resolve_mask_token_id(tokenizer, vocab, cfg.mask_token_id)
+    config = draft_config_dict(target_model.config, cfg, mask_id)
+    target = FrozenTarget(target_model, config["dflash_config"]["target_layer_ids"])
+    torch.manual_seed(cfg.seed)
+    draft = ReferenceDraft(DFlashDraftConfig.from_dict(config)).to(device)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
+    start = 0
+    state_path = os.path.join(cfg.out_dir, "trainer_state.pt")
+    if resume and os.path.isfile(state_path):
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+        log(f"resumed from step {start}")
+    gen = torch.Generator().manual_seed(cfg.seed + start)
+    rng = random.Random(cfg.seed + start)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    history = []
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
+    for step in bar:
+        batch = rng.sample(list(examples), min(cfg.batch_size, len(examples)))
+        ids, attn, loss_mask = collate(batch, cfg.max_length, pad)
+        anchors = sample_anchors(loss_mask, cfg.anchors, gen)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, acc = loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        history.append({"step": step + 1, "loss": loss.item(), "acc": acc.item()})
+        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
+        done = step + 1 == cfg.steps
+        if done or (step + 1) % cfg.save_every == 0:
+            save_checkpoint(draft, config, cfg.out_dir, state={
+                "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1, "config": asdict(cfg)})
+            with open(os.path.join(cfg.out_dir, "train_log.jsonl"), "a") as f:
+                for h in history:
+                    f.write(json.dumps(h) + "\n")
+            history.clear()
+    return cfg.out_dir
+
+
+def load_trained_draft(path: str, device="cpu") -> ReferenceDraft:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = DFlashDraftConfig.from_dict(json.load(f))
+    draft = ReferenceDraft(cfg)
+    draft.load_state_dict({k: v.float() for k, v in load_file(os.path.join(path, "model.safetensors")).items()})
+    return draft.to(device).eval()

@@ -1,0 +1,100 @@
+"""The trainer on CPU: a tiny HF target, its own responses, a draft the plugin accepts at start-up."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import write_char_tokenizer
+
+from sglang_dflash.config import TargetInfo, load_and_validate
+from sglang_dflash.reference import speculative_generate, target_generate
+from sglang_dflash.train import __main__ as cli
+from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
+from sglang_dflash.train.trainer import FrozenTarget, TrainConfig, load_trained_draft, train
+
+PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = str(tmp_path_factory.mktemp("target"))
+    tok = write_char_tokenizer(path)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # clear greedy choices
+    model.save_pretrained(path)
+    examples = regenerate(path, PROMPTS, max_new_tokens=40, engine="hf", hf_model=model, tokenizer=tok)
+    return path, model, tok, examples
+
+
+def acceptance(model, draft, tok, block_size):
+    target = FrozenTarget(model, draft.cfg.target_layer_ids)
+    from sglang_dflash.reference import draft_proposer
+
+    accepted, steps = 0, 0
+    for p in PROMPTS[:6]:
+        ids = render(tok, p)
+        truth = target_generate(target, ids, 24)
+        got = speculative_generate(target, draft_proposer(draft, target), ids, 24, block_size,
+                                   draft.cfg.mask_token_id, draft.cfg.target_layer_ids)
+        assert got.tokens == truth  # lossless with a trained draft too
+        accepted += sum(got.accept_lengths)
+        steps += len(got.accept_lengths)
+    return accepted / steps
+
+
+def test_training_learns_the_target_and_writes_a_loadable_draft(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    assert all(len(e.ids) > e.response_start for e in examples)
+    out = str(tmp_path / "draft")
+    cfg = TrainConfig(out_dir=out, block_size=4, draft_layers=2, steps=160, batch_size=8, lr=3e-3,
+                      anchors=16, save_every=80, max_length=128)
+    train(model, tok, examples, cfg, log=lambda *a: None)
+    log = [json.loads(line) for line in open(os.path.join(out, "train_log.jsonl"))]
+    assert len(log) == 160
+    first, last = sum(h["loss"] for h in log[:20]) / 20, sum(h["loss"] for h in log[-20:]) / 20
+    assert last < 0.7 * first, (first, last)
+    # The plugin's own start-up check accepts it against this target.
+    resolved = load_and_validate(out, TargetInfo.from_pretrained(path))
+    assert resolved.block_size == 4 and resolved.mask_token_id == tok.mask_token_id
+    trained = acceptance(model, load_trained_draft(out), tok, 4)
+    untrained_cfg = TrainConfig(out_dir=str(tmp_path / "untrained"), block_size=4, draft_layers=2, steps=1, lr=0.0)
+    train(model, tok, examples, untrained_cfg, log=lambda *a: None)
+    untrained = acceptance(model, load_trained_draft(untrained_cfg.out_dir), tok, 4)
+    assert trained > untrained + 0.3, (trained, untrained)
+
+
+def test_resume_continues_from_the_saved_step(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    base = dict(out_dir=out, block_size=4, draft_layers=1, batch_size=4, anchors=8, save_every=5, max_length=96)
+    train(model, tok, examples, TrainConfig(steps=10, **base), log=lambda *a: None)
+    messages = []
+    train(model, tok, examples, TrainConfig(steps=15, **base), resume=True, log=messages.append)
+    assert messages == ["resumed from step 10"]
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 15
+    assert [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))] == list(range(1, 16))
+
+
+def test_held_out_prompts_never_reach_training(tmp_path):
+    rows = [f"q{i}" for i in range(250)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    got = training_prompts(["gsm8k"], str(tmp_path), per_dataset=1000)
+    assert got == rows[HELD_OUT["gsm8k"]:] and "q0" not in got
+
+
+def test_cli_rejects_bad_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--target", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert "has no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--target", str(tmp_path), "--out", "o", "--block-size", "1"])
