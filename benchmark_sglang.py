@@ -370,6 +370,40 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def update_summary(path: str, updates: dict) -> None:
+    """Merge headline figures into ``results/summary.json``, keeping every other key."""
+    data = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            data = json.load(f)
+    data.update(updates)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def side_by_side(rows: list[dict]) -> dict:
+    """Per concurrency: AR, plugin and built-in tok/s and accept lengths (first dataset measured)."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in rows}):
+        by = {}
+        for r in rows:
+            if r["concurrency"] == c and r["impl"] not in by:
+                by[r["impl"]] = r
+        if not {"ar", "plugin", "builtin"} <= set(by):
+            continue
+        out[f"c{c}"] = {
+            "ar_tok_s": round(by["ar"]["output_tok_s"], 1),
+            "plugin_tok_s": round(by["plugin"]["output_tok_s"], 1),
+            "builtin_tok_s": round(by["builtin"]["output_tok_s"], 1),
+            "plugin_accept_len": by["plugin"]["accept_length"],
+            "builtin_accept_len": by["builtin"]["accept_length"],
+            "plugin_kv_after": by["plugin"].get("kv_after", {}).get("num_used_tokens"),
+            "builtin_kv_after": by["builtin"].get("kv_after", {}).get("num_used_tokens"),
+        }
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompts
 
@@ -430,6 +464,7 @@ def parse_args(argv=None):
     ap.add_argument("--base-url", default="http://127.0.0.1:30000")
     ap.add_argument("--output-dir", default="bench-out")
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--summary", help="merge headline figures into this JSON file (results/summary.json)")
     args = ap.parse_args(argv)
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     for impl in args.impls:
@@ -500,6 +535,7 @@ def measure(url: str, label: str, impl: str, datasets: dict, args) -> list[dict]
             results, wall = run_requests(url, payloads, conc, desc=f"{label} {dataset} c{conc}")
             row = {"impl": impl, "label": label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
             row["server_after"] = server_info(url)
+            row["kv_after"] = kv_loads(url)
             rows.append(row)
             acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""
             print(f"[{label}] {dataset} c={conc} n={row['requests']} tok/s={row['output_tok_s']:.1f}{acc} "
@@ -540,6 +576,13 @@ def main(argv=None) -> int:
     with open(os.path.join(args.output_dir, "report.md"), "w") as f:
         f.write(report)
     plot(rows, args.output_dir)
+    if args.summary:
+        updates = {"benchmark": {"datasets": args.datasets, "concurrencies": args.concurrencies,
+                                 "implementations": [s.label for s in specs],
+                                 "report": os.path.join(args.output_dir, "report.md")}}
+        if side_by_side(rows):
+            updates["side_by_side"] = side_by_side(rows)
+        update_summary(args.summary, updates)
     print(report)
     return 1 if failures or any(r["errors"] for r in rows) else 0
 

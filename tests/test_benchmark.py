@@ -123,6 +123,19 @@ def test_missing_dataset_says_how_to_fetch(tmp_path):
 # ---- metrics and the whole sweep ---------------------------------------------------------------
 
 
+def test_side_by_side_summary():
+    def row(impl, c, tok_s, acc):
+        return {"impl": impl, "concurrency": c, "dataset": "gsm8k", "output_tok_s": tok_s, "accept_length": acc,
+                "kv_after": {"num_used_tokens": 0}}
+
+    rows = [row("ar", 1, 100.0, None), row("plugin", 1, 250.0, 3.2), row("builtin", 1, 240.0, 3.1),
+            row("ar", 8, 500.0, None), row("plugin", 8, 900.0, 3.0)]
+    got = bench.side_by_side(rows)
+    assert list(got) == ["c1"]  # c8 lacks the built-in
+    assert got["c1"] == {"ar_tok_s": 100.0, "plugin_tok_s": 250.0, "builtin_tok_s": 240.0, "plugin_accept_len": 3.2,
+                         "builtin_accept_len": 3.1, "plugin_kv_after": 0, "builtin_kv_after": 0}
+
+
 def test_summary_percentiles_and_accept_length():
     rs = [bench.RequestResult(ok=True, completion_tokens=10, spec_verify_ct=4, ttft=0.1, latency=1.0),
           bench.RequestResult(ok=True, completion_tokens=30, spec_verify_ct=6, ttft=0.3, latency=3.2),
@@ -157,10 +170,17 @@ def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_mode
                 "--delay-ms", "3" if self.impl == "ar" else "1"]
 
     monkeypatch.setattr(bench.ServerSpec, "command", command)
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"lossless": {"prompts": 3}}))
     rc = bench.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
                      "--datasets", "gsm8k,mt-bench", "--data-dir", data_dir, "--num-prompts", "6",
-                     "--concurrencies", "1,2", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
+                     "--concurrencies", "1,2", "--output-dir", str(tmp_path), "--startup-timeout", "30",
+                     "--summary", str(summary)])
     assert rc == 1
+    recorded = json.loads(summary.read_text())
+    assert recorded["lossless"] == {"prompts": 3}  # other keys kept
+    assert recorded["benchmark"]["implementations"] == ["ar", "plugin", "builtin"]
+    assert recorded["benchmark"]["datasets"] == ["gsm8k", "mt-bench"] and "side_by_side" not in recorded
     res = json.load(open(tmp_path / "results.json"))
     assert [f["label"] for f in res["server_failures"]] == ["builtin"]
     assert "CUDA out of memory" in res["server_failures"][0]["log_tail"]
