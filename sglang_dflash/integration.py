@@ -146,4 +146,9 @@ def validate_server_args(server_args):
     if not os.path.isfile(os.path.join(target_path, "config.json")):
         raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json (hub ids are not resolved offline)")
     target = TargetInfo.from_pretrained(target_path, context_length=server_args.context_length)
+    if target.hybrid:
+        raise DFlashConfigError(
+            "--model-path", f"hybrid (linear-attention / mamba) targets are not supported by the plugin yet "
+            f"(use {IMPL_ENV}=builtin)"
+        )
     return load_and_validate(draft_path, target, block_size=block)

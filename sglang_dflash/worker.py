@@ -129,7 +129,7 @@ class DFlashWorker(BaseSpecWorker):
         self.config = self.draft_model.dflash_config.with_block_size(self.block_size).resolve_for_target(target)
         self.mask_token_id = self._resolve_mask_token_id()
         self.draft_head: Optional[GreedyDraftHead] = None  # set with the CUDA graphs
-        self._sampling_warning_done = False
+        self.head_in_graph = False
         if ps.tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash: block_size=%d, mask_token_id=%d, draft layers=%d (%s), "
@@ -184,15 +184,15 @@ class DFlashWorker(BaseSpecWorker):
         lm_head = self.model_runner.model.lm_head
         self.draft_head = GreedyDraftHead(lm_head, self.block_size, max(graphs.bs) if capture else 1)
         # A quantised lm_head needs its own kernels: leave the head out of the graph then.
-        if capture and torch.is_floating_point(lm_head.weight):
+        self.head_in_graph = capture and torch.is_floating_point(lm_head.weight)
+        if self.head_in_graph:
             self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
 
     # ---- one scheduler step ------------------------------------------------------------------
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
-        if getattr(batch, "return_logprob", False):
-            raise ValueError("DFLASH does not support return_logprob")
+        # return_logprob requests never get here: SGLang's DFLASH request check aborts them.
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
@@ -278,7 +278,7 @@ class DFlashWorker(BaseSpecWorker):
         )
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
-        if out.can_run_graph and self.draft_model_runner.capture_tail_hooks:
+        if out.can_run_graph and self.head_in_graph:
             drafts = self.draft_head.out[: bs * (B - 1)]
         else:
             drafts = self.draft_head(out.logits_output.hidden_states)
