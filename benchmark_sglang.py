@@ -463,6 +463,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url")
     ap.add_argument("--base-url", default="http://127.0.0.1:30000")
     ap.add_argument("--output-dir", default="bench-out")
+    ap.add_argument("--log-dir", help="server logs (default: the output dir)")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--summary", help="merge headline figures into this JSON file (results/summary.json)")
     args = ap.parse_args(argv)
@@ -560,7 +561,8 @@ def main(argv=None) -> int:
         if args.skip_launch:
             rows += measure(args.base_url, spec.label, spec.impl, datasets, args)
             continue
-        log = os.path.join(args.output_dir, f"server-{spec.label}.log")
+        os.makedirs(args.log_dir or args.output_dir, exist_ok=True)
+        log = os.path.join(args.log_dir or args.output_dir, f"server-{spec.label}.log")
         try:
             with Server(spec, log_path=log, timeout_s=args.startup_timeout) as server:
                 rows += measure(server.url, spec.label, spec.impl, datasets, args)

@@ -15,4 +15,4 @@ python3 benchmark_sglang.py --model-path "${1:-$tiny/target}" --draft-model-path
     --impls ar,plugin,builtin --datasets gsm8k,mt-bench --data-dir .bench-data \
     --num-prompts 64 --max-new-tokens 256 --concurrencies 1,8,32 \
     --server-args "--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.3 --dtype bfloat16 --log-level warning" \
-    --output-dir "$out" --summary "$out/summary.json"
+    --output-dir "$out" --log-dir /tmp/bench-logs --summary "$out/summary.json"

@@ -65,7 +65,7 @@ def test_training_learns_the_target_and_writes_a_loadable_draft(tiny_target, tmp
     resolved = load_and_validate(out, TargetInfo.from_pretrained(path))
     assert resolved.block_size == 4 and resolved.mask_token_id == tok.mask_token_id
     trained = acceptance(model, load_trained_draft(out), tok, 4)
-    untrained_cfg = TrainConfig(out_dir=str(tmp_path / "untrained"), block_size=4, draft_layers=2, steps=1, lr=0.0)
+    untrained_cfg = TrainConfig(out_dir=str(tmp_path / "untrained"), block_size=4, draft_layers=2, steps=0)
     train(model, tok, examples, untrained_cfg, log=lambda *a: None)
     untrained = acceptance(model, load_trained_draft(untrained_cfg.out_dir), tok, 4)
     assert trained > untrained + 0.3, (trained, untrained)

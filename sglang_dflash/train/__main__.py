@@ -32,7 +32,7 @@ def parse_args(argv=None):
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--target-layer-ids", default="", help="comma list; default: evenly from 1 to n-3")
     ap.add_argument("--mask-token-id", type=int)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=3000, help="0 writes the untrained draft (a baseline)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--max-length", type=int, default=1024)
@@ -41,8 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.block_size < 2 or args.draft_layers < 1 or args.steps < 1:
-        ap.error("--block-size >= 2, --draft-layers >= 1 and --steps >= 1 are required")
+    if args.block_size < 2 or args.draft_layers < 1 or args.steps < 0:
+        ap.error("--block-size >= 2, --draft-layers >= 1 and --steps >= 0 are required")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         ap.error(f"--target {args.target!r} has no config.json")
     return args
@@ -56,7 +56,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     cache = os.path.join(args.out, "examples.jsonl")
-    if os.path.isfile(cache):
+    if args.steps == 0:
+        examples = []
+    elif os.path.isfile(cache):
         examples = load_examples(cache)
         print(f"{len(examples)} regenerated examples from {cache}", file=sys.stderr)
     else:

@@ -222,6 +222,9 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     rng = random.Random(cfg.seed + start)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     history = []
+    if cfg.steps == 0:  # the untrained baseline: initialised weights in the same layout
+        save_checkpoint(draft, config, cfg.out_dir)
+        return cfg.out_dir
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
     for step in bar:
         batch = rng.sample(list(examples), min(cfg.batch_size, len(examples)))
