@@ -56,6 +56,7 @@ class DraftBlock:
     candidates: torch.Tensor  # [bs, B]: last committed token, then B-1 drafts
     positions: torch.Tensor  # [bs*B]
     cache_loc: torch.Tensor  # [bs, B] KV slots of the block positions
+    seq_lens_bound: torch.Tensor  # host, [bs]: committed + B, what attention planning may assume
 
 
 @dataclass
@@ -284,7 +285,7 @@ class DFlashWorker(BaseSpecWorker):
             drafts = self.draft_head(out.logits_output.hidden_states)
         candidates = block_ids.clone()
         candidates[:, 1:] = drafts.view(bs, B - 1)
-        return DraftBlock(candidates, positions.view(-1), cache_loc)
+        return DraftBlock(candidates, positions.view(-1), cache_loc, seq_lens_cpu)
 
     def _host_seq_lens_bound(self, batch) -> torch.Tensor:
         """Host-side upper bound of each request's attended length (committed + one block)."""
@@ -303,8 +304,7 @@ class DFlashWorker(BaseSpecWorker):
         )
         batch.out_cache_loc = block.cache_loc.view(-1)
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
-        bound = self._host_seq_lens_bound(batch)
-        batch.seq_lens_cpu, batch.seq_lens_sum = bound, int(bound.sum())
+        batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, self._target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = saved
         out = self._target_worker.forward_batch_generation(
