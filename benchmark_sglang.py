@@ -557,12 +557,13 @@ def main(argv=None) -> int:
     for impl in args.impls:
         sizes = args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
         specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
+    log_dir = args.log_dir or args.output_dir
+    os.makedirs(log_dir, exist_ok=True)
     for spec in specs:
         if args.skip_launch:
             rows += measure(args.base_url, spec.label, spec.impl, datasets, args)
             continue
-        os.makedirs(args.log_dir or args.output_dir, exist_ok=True)
-        log = os.path.join(args.log_dir or args.output_dir, f"server-{spec.label}.log")
+        log = os.path.join(log_dir, f"server-{spec.label}.log")
         try:
             with Server(spec, log_path=log, timeout_s=args.startup_timeout) as server:
                 rows += measure(server.url, spec.label, spec.impl, datasets, args)
@@ -582,8 +583,9 @@ def main(argv=None) -> int:
         updates = {"benchmark": {"datasets": args.datasets, "concurrencies": args.concurrencies,
                                  "implementations": [s.label for s in specs],
                                  "report": os.path.join(args.output_dir, "report.md")}}
-        if side_by_side(rows):
-            updates["side_by_side"] = side_by_side(rows)
+        comparison = side_by_side(rows)
+        if comparison:
+            updates["side_by_side"] = comparison
         update_summary(args.summary, updates)
     print(report)
     return 1 if failures or any(r["errors"] for r in rows) else 0

@@ -160,13 +160,11 @@ def fetch(names: list[str], data_dir: str) -> dict[str, str]:
 
 def load_dataset_prompts(name: str, data_dir: str, n: int) -> list[str]:
     """The first ``n`` prompts of a cached set (cycled when the set is smaller)."""
-    path = os.path.join(data_dir, f"{name}.jsonl")
+    from sglang_dflash.train.data import read_cached_prompts
+
     if name not in SOURCES:
         raise SystemExit(f"unknown dataset {name!r}; known: {', '.join(SOURCES)}")
-    if not os.path.isfile(path):
-        raise SystemExit(f"dataset {name!r} is not cached in {data_dir}: run scripts/fetch_datasets.py --datasets {name}")
-    with open(path) as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    prompts = read_cached_prompts(name, data_dir)
     if not prompts:
         raise SystemExit(f"dataset {name!r} in {data_dir} is empty")
     return [prompts[i % len(prompts)] for i in range(n)]

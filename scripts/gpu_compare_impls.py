@@ -7,7 +7,7 @@ Used to tell plugin bugs from kernel numerics: the built-in DFLASH runs the same
 import json, os, sys
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests", "gpu"), os.path.join(os.getcwd(), "tests")]
 from benchmark_sglang import Server, ServerError, run_requests
-from test_server_gpu import greedy, prompts, server_spec
+from test_server_gpu import first_divergence, greedy, prompts, server_spec
 
 out, tiny, dtype, impls = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 os.environ["DFLASH_TINY_DIR"] = tiny
@@ -26,11 +26,8 @@ for item in impls:
 ar = runs.get("ar")
 summary = {}
 for name, r in runs.items():
-    div = []
-    for i, (a, b) in enumerate(zip(r["ids"], ar["ids"] if ar else r["ids"])):
-        if a != b:
-            d = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            div.append([i, d])
+    pairs = enumerate(zip(r["ids"], ar["ids"] if ar else r["ids"]))
+    div = [[i, first_divergence(a, b)] for i, (a, b) in pairs if a != b]
     toks = sum(len(x) for x in r["ids"])
     summary[name] = {"mismatches": len(div), "first_divergence": div[:12], "errors": r["errors"],
                      "accept": toks / max(sum(r["verify"]), 1), "wall_s": round(r["wall_s"], 2)}

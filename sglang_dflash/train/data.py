@@ -14,16 +14,20 @@ from typing import Iterable, Optional, Sequence
 HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0}
 
 
+def read_cached_prompts(name: str, data_dir: str) -> list[str]:
+    """All prompts of a set cached by ``scripts/fetch_datasets.py`` (the benchmark reads these too)."""
+    path = os.path.join(data_dir, f"{name}.jsonl")
+    if not os.path.isfile(path):
+        raise SystemExit(f"dataset {name!r} is not cached in {data_dir}: run scripts/fetch_datasets.py --datasets {name}")
+    with open(path) as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
 def training_prompts(datasets: Sequence[str], data_dir: str, per_dataset: int) -> list[str]:
-    """Prompts from the cached sets (``scripts/fetch_datasets.py``), skipping the held-out heads."""
+    """Prompts from the cached sets, skipping the held-out heads."""
     out = []
     for name in datasets:
-        path = os.path.join(data_dir, f"{name}.jsonl")
-        if not os.path.isfile(path):
-            raise SystemExit(f"training set {name!r} is not cached in {data_dir}: run scripts/fetch_datasets.py")
-        with open(path) as f:
-            rows = [json.loads(line)["prompt"] for line in f if line.strip()]
-        out += rows[HELD_OUT.get(name, 0):][:per_dataset]
+        out += read_cached_prompts(name, data_dir)[HELD_OUT.get(name, 0):][:per_dataset]
     return out
 
 
