@@ -11,6 +11,9 @@ swap what it builds:
   the target before SGLang's own DFLASH argument policy runs.
 * ``ModelRegistry.models["DFlashDraftModel"]``: the plugin's draft network, set where the worker
   is created (the registry holds classes in a dict that hooks cannot reach).
+* AROUND ``Req.update_finish_state``: SGLang checks ``max_new_tokens`` before stop tokens and
+  stop strings, so when one verify step accepts several tokens and reaches the budget, a stop
+  inside that step was ignored. The hook lets the earlier stop win, as plain decoding would.
 
 ``SGLANG_DFLASH_IMPL=builtin`` leaves SGLang's own DFLASH in place (only the log line is added),
 so both can be measured side by side.
@@ -34,6 +37,7 @@ SUPPORTED_SGLANG = ("0.5.17",)
 
 CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
 HANDLE_DFLASH_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
+UPDATE_FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -67,6 +71,7 @@ def register() -> None:
     if impl == "plugin":
         HookRegistry.register(CREATE_WORKER, create_worker_hook, HookType.AROUND)
         HookRegistry.register(HANDLE_DFLASH_ARGS, handle_dflash_args_hook, HookType.AROUND)
+        HookRegistry.register(UPDATE_FINISH_STATE, stop_before_length_hook, HookType.AROUND)
     else:
         HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin_hook, HookType.AROUND)
 
@@ -78,6 +83,22 @@ def fp32_rmsnorm_hook(original, self, x, *args, **kwargs):
     if x.dtype == torch.float32:
         return self.forward_native(x, *args, **kwargs)
     return original(self, x, *args, **kwargs)
+
+
+def stop_before_length_hook(original, req, new_accepted_len: int = 1):
+    """A stop token or string accepted within the token budget ends the request there."""
+    budget = req.sampling_params.max_new_tokens
+    if new_accepted_len <= 1 or budget is None or len(req.output_ids) < budget or req.finished() or req.to_finish:
+        return original(req, new_accepted_len)
+    req.sampling_params.max_new_tokens = len(req.output_ids) + 1  # let the stop checks run first
+    try:
+        original(req, new_accepted_len)
+    finally:
+        req.sampling_params.max_new_tokens = budget
+    if req.finished() and req.finished_len is not None and req.finished_len <= budget:
+        return None
+    req.finished_reason, req.finished_len = None, None  # the stop lies past the budget: a length finish
+    return original(req, new_accepted_len)
 
 
 def create_worker_hook(original, self, server_args):

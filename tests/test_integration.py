@@ -141,3 +141,57 @@ def test_version_gate_keeps_builtin_on_untested_sglang(monkeypatch):
     integration.register()
     assert registered == [integration.CREATE_WORKER, integration.HANDLE_DFLASH_ARGS]
 
+
+
+STOP_IN_A_MULTI_TOKEN_STEP = """
+    from array import array
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=[0])
+    params.normalize(None)
+    req = Req("r", "", array("i", [1, 2, 3]), params, vocab_size=100)
+    req.output_ids = [5, 6, 7, 8, 0, 9, 10, 11]  # one verify step accepted the last five
+    req.update_finish_state(5)
+    print("FINISH->" + type(req.finished_reason).__name__, req.finished_len)
+"""
+
+
+@pytest.mark.parametrize("impl, expected", [("plugin", "FINISH->FINISH_MATCHED_TOKEN 5"),
+                                            ("builtin", "FINISH->FINISH_LENGTH 8")])
+def test_a_stop_token_inside_an_accepted_step_wins_over_the_budget(impl, expected):
+    """Plain decoding stops at token 0 (5 tokens); SGLang alone reports the budget (8 tokens)."""
+    out = run_python(STOP_IN_A_MULTI_TOKEN_STEP, SGLANG_PLUGINS="dflash", SGLANG_DFLASH_IMPL=impl)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert expected in out.stdout
+
+
+def make_req(budget, output_ids, stop_ids=(0,)):
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=budget, stop_token_ids=list(stop_ids))
+    params.normalize(None)
+    req = Req("r", "", array("i", [1, 2, 3]), params, vocab_size=100)
+    req.output_ids = list(output_ids)
+    return req
+
+
+@pytest.mark.parametrize("budget, output_ids, accepted, reason, length", [
+    (8, [5, 6, 7, 8, 0, 9, 10, 11], 5, "FINISH_MATCHED_TOKEN", 5),  # stop inside the budget
+    (6, [5, 6, 7, 8, 9, 10, 0, 11], 5, "FINISH_LENGTH", 6),  # stop past the budget
+    (20, [5, 6, 7, 8, 0, 9], 3, "FINISH_MATCHED_TOKEN", 5),  # budget not reached: SGLang's own path
+    (4, [5, 6, 7, 0], 1, "FINISH_LENGTH", 4),  # one token per step: plain decoding's order
+    (8, [5, 6, 7, 8, 9, 10, 11, 12], 5, "FINISH_LENGTH", 8),
+])
+def test_stop_before_length_hook(budget, output_ids, accepted, reason, length):
+    from sglang.srt.managers.schedule_batch import Req
+
+    req = make_req(budget, output_ids)
+    integration.stop_before_length_hook(Req.update_finish_state, req, accepted)
+    assert (type(req.finished_reason).__name__, req.finished_len) == (reason, length)
+    assert req.sampling_params.max_new_tokens == budget
