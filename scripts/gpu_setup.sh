@@ -3,7 +3,13 @@
 # installed in development mode so SGLang's plugin loader finds the entry point.
 #   source scripts/gpu_setup.sh
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-source "$here/.devkit/gpu-env.sh"
+if [ -f "$here/.devkit/gpu-env.sh" ]; then
+    source "$here/.devkit/gpu-env.sh"
+elif [ -f /tmp/devkit-site/.ok ]; then  # a later run on the same warm machine need not carry the kit
+    export PYTHONPATH=/tmp/devkit-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+else
+    echo "gpu_setup: no .devkit carried and /tmp/devkit-site is gone (the machine was not warm)" >&2; return 1
+fi
 site=/tmp/devkit-site
 if [ ! -d "$site/sglang_dflash-0.1.0.dist-info" ]; then
     # The metadata pip would write for `pip install -e .`, minus the build step pip cannot do offline.

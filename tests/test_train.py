@@ -11,7 +11,7 @@ from sglang_dflash.config import TargetInfo, load_and_validate
 from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
-from sglang_dflash.train.trainer import FrozenTarget, TrainConfig, load_trained_draft, train
+from sglang_dflash.train.trainer import FrozenTarget, TrainConfig, load_trained_draft, lr_at, run_progress, train
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
@@ -82,6 +82,26 @@ def test_resume_continues_from_the_saved_step(tiny_target, tmp_path):
     state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
     assert state["step"] == 15
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))] == list(range(1, 16))
+
+
+def test_time_budget_stops_early_and_still_writes_the_checkpoint(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    cfg = TrainConfig(out_dir=out, block_size=4, draft_layers=1, batch_size=4, anchors=8, save_every=1000,
+                      max_length=96, steps=100_000, max_minutes=0.02)
+    train(model, tok, examples, cfg, log=lambda *a: None)
+    steps = [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))]
+    assert 1 <= len(steps) < 100_000 and steps == list(range(1, len(steps) + 1))
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == len(steps)
+
+
+def test_lr_schedule_follows_whichever_budget_runs_out_first():
+    cfg = TrainConfig(out_dir="-", steps=1000, lr=1e-3, warmup_ratio=0.1, max_minutes=10)
+    assert run_progress(100, 0.0, cfg) == 0.1 and run_progress(100, 300.0, cfg) == 0.5
+    assert lr_at(0.05, cfg) == pytest.approx(5e-4) and lr_at(0.1, cfg) == pytest.approx(1e-3)
+    assert lr_at(0.55, cfg) == pytest.approx(5e-4) and lr_at(1.0, cfg) == pytest.approx(0.0, abs=1e-12)
+    assert run_progress(100, 1e9, TrainConfig(out_dir="-", steps=1000)) == 0.1  # no time budget
 
 
 def test_held_out_prompts_never_reach_training(tmp_path):

@@ -38,6 +38,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--save-every", type=int, default=500)
+    ap.add_argument("--max-minutes", type=float, help="stop training after this long (the LR schedule fits it)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
     else:
         prompts = training_prompts(args.datasets.split(","), args.data_dir, args.per_dataset)
         print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
-        examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer)
+        examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer,
+                              max_prompt_tokens=args.max_length - 64)
         save_examples(examples, cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
         out_dir=args.out, block_size=args.block_size, draft_layers=args.draft_layers,
         target_layer_ids=[int(x) for x in args.target_layer_ids.split(",") if x.strip()] or None,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        max_length=args.max_length, anchors=args.anchors, save_every=args.save_every, seed=args.seed,
+        max_length=args.max_length, anchors=args.anchors, save_every=args.save_every, max_minutes=args.max_minutes,
+        seed=args.seed,
     )
     out = train(model, tokenizer, examples, cfg, resume=args.resume)
     print(f"draft written to {out}")

@@ -53,6 +53,7 @@ def regenerate(
     hf_model=None,
     tokenizer=None,
     temperature: float = 0.0,
+    max_prompt_tokens: Optional[int] = None,
 ) -> list[Example]:
     """Responses written by the target itself, so the draft learns the target's distribution.
 
@@ -67,6 +68,8 @@ def regenerate(
 
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     encoded = [render(tokenizer, p) for p in prompts]
+    if max_prompt_tokens is not None:  # longer prompts would be cut off in training anyway
+        encoded = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
     if engine == "auto":
         engine = "sglang" if torch.cuda.is_available() else "hf"
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
@@ -75,7 +78,8 @@ def regenerate(
         import sglang
 
         llm = sglang.Engine(model_path=target_path, attention_backend="triton", grammar_backend="none",
-                            log_level="warning", cuda_graph_max_bs=64, mem_fraction_static=0.5)
+                            log_level="warning", mem_fraction_static=0.5,
+                            cuda_graph_backend_prefill="disabled")  # piecewise capture: slow start, no gain here
         try:
             results = llm.generate(input_ids=encoded, sampling_params=params)
         finally:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
@@ -42,6 +43,7 @@ class TrainConfig:
     gamma: Optional[float] = None  # loss decay; default 7 for block 16, scaled with the block
     grad_clip: float = 1.0
     save_every: int = 500
+    max_minutes: Optional[float] = None  # wall-time budget for the steps; the LR schedule follows it
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -144,7 +146,7 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator) 
 def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, decay: float):
     """Block ids, positions, same-position labels and loss weights for every anchor."""
     B, T = ids.shape
-    offs = torch.arange(block_size)
+    offs = torch.arange(block_size, device=ids.device)
     valid = anchors >= 0
     pos = anchors.clamp(min=0)[..., None] + offs  # [B, nb, bs]
     in_seq = pos < T
@@ -176,12 +178,18 @@ def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, lo
     return loss, acc
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    warm = max(1, int(cfg.steps * cfg.warmup_ratio))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, cfg.steps - warm)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+def lr_at(progress: float, cfg: TrainConfig) -> float:
+    """Linear warm-up then cosine decay over ``progress`` in [0, 1] of the run."""
+    warm = max(cfg.warmup_ratio, 1e-6)
+    if progress < warm:
+        return cfg.lr * max(progress, 1.0 / max(cfg.steps, 1)) / warm
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warm) / (1 - warm))))
+
+
+def run_progress(step: int, elapsed_s: float, cfg: TrainConfig) -> float:
+    """How far the run is: by steps, or by wall time when a budget is set, whichever is further."""
+    by_steps = step / max(cfg.steps, 1)
+    return max(by_steps, elapsed_s / (60 * cfg.max_minutes)) if cfg.max_minutes else by_steps
 
 
 def save_checkpoint(draft: ReferenceDraft, config: dict, out_dir: str, dtype=torch.bfloat16,
@@ -226,12 +234,14 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         save_checkpoint(draft, config, cfg.out_dir)
         return cfg.out_dir
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
+    t0 = time.monotonic()
     for step in bar:
+        progress = run_progress(step, time.monotonic() - t0, cfg)
         batch = rng.sample(list(examples), min(cfg.batch_size, len(examples)))
         ids, attn, loss_mask = collate(batch, cfg.max_length, pad)
         anchors = sample_anchors(loss_mask, cfg.anchors, gen)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(progress, cfg)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, acc = loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
         opt.zero_grad(set_to_none=True)
@@ -240,7 +250,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         opt.step()
         history.append({"step": step + 1, "loss": loss.item(), "acc": acc.item()})
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
-        done = step + 1 == cfg.steps
+        done = step + 1 == cfg.steps or run_progress(step + 1, time.monotonic() - t0, cfg) >= 1
         if done or (step + 1) % cfg.save_every == 0:
             save_checkpoint(draft, config, cfg.out_dir, state={
                 "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1, "config": asdict(cfg)})
@@ -248,6 +258,8 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
                 for h in history:
                     f.write(json.dumps(h) + "\n")
             history.clear()
+        if done:
+            break
     return cfg.out_dir
 
 
