@@ -444,7 +444,7 @@ def sampling_params(args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-path")
     ap.add_argument("--draft-model-path")
     ap.add_argument("--impls", default="ar,plugin,builtin",
                     help="comma list of ar, plugin, builtin, ngram, or spec:NAME for another SGLang algorithm")
@@ -466,7 +466,16 @@ def parse_args(argv=None):
     ap.add_argument("--log-dir", help="server logs (default: the output dir)")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--summary", help="merge headline figures into this JSON file (results/summary.json)")
+    ap.add_argument("--from-results", nargs="+", metavar="RESULTS_JSON",
+                    help="measure nothing: rebuild the report, plots and summary from earlier results.json files")
     args = ap.parse_args(argv)
+    if args.from_results:
+        missing = [p for p in args.from_results if not os.path.isfile(p)]
+        if missing:
+            ap.error(f"--from-results: no such file {missing[0]!r}")
+        return args
+    if not args.model_path:
+        ap.error("--model-path is required (unless --from-results)")
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     for impl in args.impls:
         if impl not in IMPLEMENTATIONS and not impl.startswith("spec:"):
@@ -544,9 +553,15 @@ def measure(url: str, label: str, impl: str, datasets: dict, args) -> list[dict]
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    os.makedirs(args.output_dir, exist_ok=True)
+def write_results(args, rows: list[dict], failures: list[dict]) -> dict:
+    settings = {k: v for k, v in vars(args).items() if k not in ("skip_launch", "from_results")}
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump({"settings": settings, "rows": rows, "server_failures": failures}, f, indent=1, default=str)
+    return settings
+
+
+def sweep(args) -> tuple[list[dict], list[dict]]:
+    """Launch each server in turn (or use the running one) and measure every dataset and concurrency."""
     payload_template = sampling_params(args)
     datasets = {}
     for d in args.datasets:
@@ -570,10 +585,35 @@ def main(argv=None) -> int:
         except ServerError as e:
             print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
             failures.append({"label": spec.label, "error": str(e), "log_tail": e.log_tail})
+        write_results(args, rows, failures)  # after every server, so a cut-off sweep keeps what it measured
+    return rows, failures
+
+
+def load_results(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """Rows and failures of earlier sweeps (their results.json), in order; settings of the first."""
+    rows, failures, settings = [], [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        failures += data.get("server_failures", [])
+        settings = settings or data.get("settings", {})
+    return rows, failures, settings
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.from_results:
+        rows, failures, earlier = load_results(args.from_results)
+        for key in ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts"):
+            setattr(args, key, earlier.get(key, getattr(args, key)))
+        args.datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+        args.concurrencies = sorted({r["concurrency"] for r in rows})
+    else:
+        rows, failures = sweep(args)
     add_speedups(rows)
-    settings = {k: v for k, v in vars(args).items() if k not in ("skip_launch",)}
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump({"settings": settings, "rows": rows, "server_failures": failures}, f, indent=1, default=str)
+    settings = write_results(args, rows, failures)
     report = markdown_report(rows, {k: settings[k] for k in ("model_path", "draft_model_path", "max_new_tokens",
                                                                "temperature", "thinking", "num_prompts")}, failures)
     with open(os.path.join(args.output_dir, "report.md"), "w") as f:
@@ -581,7 +621,7 @@ def main(argv=None) -> int:
     plot(rows, args.output_dir)
     if args.summary:
         updates = {"benchmark": {"datasets": args.datasets, "concurrencies": args.concurrencies,
-                                 "implementations": [s.label for s in specs],
+                                 "implementations": list(dict.fromkeys([r["label"] for r in rows] + [f["label"] for f in failures])),
                                  "report": os.path.join(args.output_dir, "report.md")}}
         comparison = side_by_side(rows)
         if comparison:

@@ -13,6 +13,6 @@ if [ $# -lt 2 ]; then
 fi
 python3 benchmark_sglang.py --model-path "${1:-$tiny/target}" --draft-model-path "${2:-$tiny/draft}" \
     --impls ar,plugin,builtin --datasets gsm8k,mt-bench --data-dir .bench-data \
-    --num-prompts 64 --max-new-tokens 256 --concurrencies 1,8,32 \
+    --num-prompts ${NUM_PROMPTS:-64} --max-new-tokens 256 --concurrencies 1,8,32 \
     --server-args "--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.3 --dtype bfloat16 --log-level warning" \
     --output-dir "$out" --log-dir /tmp/bench-logs --summary "$out/summary.json"

@@ -195,3 +195,33 @@ def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_mode
     assert "## Mean accept length" in report and "### builtin:" in report
     for png in ("throughput.png", "accept_length.png"):
         assert os.path.getsize(tmp_path / png) > 1000
+
+
+def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data_dir, monkeypatch):
+    """AR and plugin in one sweep, the built-in in another: one report, speedups across both."""
+    accept = {"ar": "1", "plugin": "4", "builtin": "3"}
+    monkeypatch.setattr(bench.ServerSpec, "command", lambda self, port: [
+        sys.executable, FAKE, "--port", str(port), "--accept", accept[self.impl]])
+    common = ["--model-path", chat_model, "--draft-model-path", "d", "--datasets", "gsm8k", "--data-dir", data_dir,
+              "--num-prompts", "4", "--concurrencies", "1,2", "--startup-timeout", "30"]
+    assert bench.main(common + ["--impls", "ar,plugin", "--output-dir", str(tmp_path / "a")]) == 0
+    assert bench.main(common + ["--impls", "builtin", "--output-dir", str(tmp_path / "b")]) == 0
+    summary = tmp_path / "summary.json"
+    rc = bench.main(["--from-results", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+                     "--output-dir", str(tmp_path / "merged"), "--summary", str(summary)])
+    assert rc == 0
+    rows = {(r["label"], r["concurrency"]): r for r in json.load(open(tmp_path / "merged" / "results.json"))["rows"]}
+    assert len(rows) == 6
+    built = rows[("builtin", 2)]
+    assert built["speedup"] == pytest.approx(built["output_tok_s"] / rows[("ar", 2)]["output_tok_s"])
+    recorded = json.loads(summary.read_text())
+    assert recorded["benchmark"]["implementations"] == ["ar", "plugin", "builtin"]
+    assert set(recorded["side_by_side"]) == {"c1", "c2"}
+    assert recorded["side_by_side"]["c2"]["builtin_accept_len"] == built["accept_length"]
+    assert "| builtin | " in open(tmp_path / "merged" / "report.md").read()
+
+
+def test_from_results_names_a_missing_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--from-results", str(tmp_path / "nope.json")])
+    assert "no such file" in capsys.readouterr().err
