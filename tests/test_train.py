@@ -96,6 +96,17 @@ def test_time_budget_stops_early_and_still_writes_the_checkpoint(tiny_target, tm
     assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == len(steps)
 
 
+def test_pause_then_resume_keeps_the_step_schedule(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    base = dict(out_dir=out, block_size=4, draft_layers=1, batch_size=4, anchors=8, save_every=1000, max_length=96)
+    train(model, tok, examples, TrainConfig(steps=40, pause_after_minutes=0.0, **base), log=lambda *a: None)
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 1
+    train(model, tok, examples, TrainConfig(steps=40, **base), resume=True, log=lambda *a: None)
+    steps = [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))]
+    assert steps == list(range(1, 41))
+
+
 def test_lr_schedule_follows_whichever_budget_runs_out_first():
     cfg = TrainConfig(out_dir="-", steps=1000, lr=1e-3, warmup_ratio=0.1, max_minutes=10)
     assert run_progress(100, 0.0, cfg) == 0.1 and run_progress(100, 300.0, cfg) == 0.5

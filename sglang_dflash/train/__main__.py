@@ -39,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--max-minutes", type=float, help="stop training after this long (the LR schedule fits it)")
+    ap.add_argument("--pause-after-minutes", type=float,
+                    help="save and stop after this long; run again with --resume to go on (schedule by --steps)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
         target_layer_ids=[int(x) for x in args.target_layer_ids.split(",") if x.strip()] or None,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         max_length=args.max_length, anchors=args.anchors, save_every=args.save_every, max_minutes=args.max_minutes,
-        seed=args.seed,
+        pause_after_minutes=args.pause_after_minutes, seed=args.seed,
     )
     out = train(model, tokenizer, examples, cfg, resume=args.resume)
     print(f"draft written to {out}")

@@ -44,6 +44,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     save_every: int = 500
     max_minutes: Optional[float] = None  # wall-time budget for the steps; the LR schedule follows it
+    pause_after_minutes: Optional[float] = None  # save and stop, to go on with resume=True (schedule by steps)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -250,7 +251,9 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         opt.step()
         history.append({"step": step + 1, "loss": loss.item(), "acc": acc.item()})
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
-        done = step + 1 == cfg.steps or run_progress(step + 1, time.monotonic() - t0, cfg) >= 1
+        elapsed = time.monotonic() - t0
+        done = step + 1 == cfg.steps or run_progress(step + 1, elapsed, cfg) >= 1
+        done = done or (cfg.pause_after_minutes is not None and elapsed >= 60 * cfg.pause_after_minutes)
         if done or (step + 1) % cfg.save_every == 0:
             save_checkpoint(draft, config, cfg.out_dir, state={
                 "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1, "config": asdict(cfg)})
