@@ -9,6 +9,8 @@ swap what it builds:
 * AROUND ``SpeculativeAlgorithm.create_worker``: DFLASH builds :class:`sglang_dflash.worker.DFlashWorker`.
 * AROUND ``speculative_hook._handle_dflash``: the plugin validates the draft checkpoint against
   the target before SGLang's own DFLASH argument policy runs.
+* AROUND ``speculative_hook._resolve_speculative_algorithm_alias``: that runs first and reads the
+  draft's config through the hub client, so a mistyped local path would end in a hub traceback.
 * ``ModelRegistry.models["DFlashDraftModel"]``: the plugin's draft network, set where the worker
   is created (the registry holds classes in a dict that hooks cannot reach).
 * AROUND ``Req.update_finish_state``: SGLang checks ``max_new_tokens`` before stop tokens and
@@ -37,6 +39,7 @@ SUPPORTED_SGLANG = ("0.5.17",)
 
 CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
 HANDLE_DFLASH_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
+RESOLVE_ALGORITHM = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
 UPDATE_FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
@@ -71,6 +74,7 @@ def register() -> None:
     if impl == "plugin":
         HookRegistry.register(CREATE_WORKER, create_worker_hook, HookType.AROUND)
         HookRegistry.register(HANDLE_DFLASH_ARGS, handle_dflash_args_hook, HookType.AROUND)
+        HookRegistry.register(RESOLVE_ALGORITHM, draft_path_hook, HookType.AROUND)
         HookRegistry.register(UPDATE_FINISH_STATE, stop_before_length_hook, HookType.AROUND)
     else:
         HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin_hook, HookType.AROUND)
@@ -122,6 +126,19 @@ def install_draft_model() -> None:
 def log_builtin_hook(original, server_args):
     logger.info("DFLASH is served by SGLang's built-in implementation (%s=builtin).", IMPL_ENV)
     return original(server_args)
+
+
+def looks_local(path: str) -> bool:
+    """A filesystem path rather than a hub id (``org/name``), which SGLang may still download."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") != 1 or os.path.exists(path)
+
+
+def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
+    if (algorithm or "").upper() == "DFLASH" and draft_path and looks_local(draft_path):
+        if not os.path.isfile(os.path.join(os.path.expanduser(draft_path), "config.json")):
+            what = "does not exist" if not os.path.exists(os.path.expanduser(draft_path)) else "has no config.json"
+            raise SystemExit(f"sglang-dflash: --speculative-draft-model-path: {draft_path!r} {what}")
+    return original(algorithm, draft_path, *args, **kwargs)
 
 
 def handle_dflash_args_hook(original, server_args):

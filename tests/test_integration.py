@@ -139,7 +139,8 @@ def test_version_gate_keeps_builtin_on_untested_sglang(monkeypatch):
     monkeypatch.setattr(integration, "sglang_version", lambda: "0.5.17")
     registered.clear()
     integration.register()
-    assert registered == [integration.CREATE_WORKER, integration.HANDLE_DFLASH_ARGS]
+    assert registered == [integration.CREATE_WORKER, integration.HANDLE_DFLASH_ARGS, integration.RESOLVE_ALGORITHM,
+                          integration.UPDATE_FINISH_STATE]
 
 
 
@@ -195,3 +196,17 @@ def test_stop_before_length_hook(budget, output_ids, accepted, reason, length):
     integration.stop_before_length_hook(Req.update_finish_state, req, accepted)
     assert (type(req.finished_reason).__name__, req.finished_len) == (reason, length)
     assert req.sampling_params.max_new_tokens == budget
+
+
+def test_draft_path_hook_refuses_missing_local_paths_and_passes_hub_ids(tmp_path):
+    calls = []
+
+    def original(algorithm, path, *args, **kwargs):
+        calls.append((algorithm, path))
+        return algorithm
+
+    with pytest.raises(SystemExit, match="does not exist"):
+        integration.draft_path_hook(original, "DFLASH", str(tmp_path / "nope"))
+    assert integration.draft_path_hook(original, "DFLASH", "z-lab/Qwen3-8B-DFlash-b16") == "DFLASH"  # the hub's
+    assert integration.draft_path_hook(original, "EAGLE", str(tmp_path / "nope")) == "EAGLE"  # not ours
+    assert calls == [("DFLASH", "z-lab/Qwen3-8B-DFlash-b16"), ("EAGLE", str(tmp_path / "nope"))]
