@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # GPU test run on the lent machine: bash scripts/gpu_tests.sh [pytest -k expression]
-# Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results.
+# Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
+#   bash scripts/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
+#   bash scripts/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
+#   DFLASH_LOAD_SECONDS=300 bash scripts/gpu_tests.sh reliability    # odd requests, 1000 with aborts, c64 load
+#   DFLASH_TP_SIZE=2 bash scripts/gpu_tests.sh "float32 and greedy" # on nvidia-h200-x2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_setup.sh

@@ -1,10 +1,12 @@
 """A stand-in for an SGLang server on localhost, for CPU tests of benchmark_sglang.py.
 
-    python tests/fake_sglang_server.py --port P [--accept 3.0] [--fail-every N] [--delay-ms D]
+    python tests/fake_sglang_server.py --port P [--accept 3.0] [--fail-every N] [--delay-ms D] [--leak-on-abort]
 
 Speaks the parts of SGLang's HTTP API the benchmark uses: streamed ``/generate`` with
 ``meta_info`` counters (``spec_verify_ct`` = tokens / accept), ``/health_generate``,
 ``/flush_cache``, ``/v1/loads`` and ``/server_info``. Every N-th request fails with HTTP 500.
+``/v1/loads`` counts the tokens of requests in flight; ``--leak-on-abort`` keeps those of requests
+whose client went away, as a server that leaks KV on aborts would.
 """
 
 import argparse
@@ -17,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def make_handler(args):
     lock = threading.Lock()
-    count = {"n": 0}
+    count = {"n": 0, "used": 0, "running": 0}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -35,8 +37,11 @@ def make_handler(args):
             if self.path in ("/health_generate", "/flush_cache"):
                 return self._json(200, {"ok": True})
             if self.path == "/v1/loads":
-                return self._json(200, {"loads": [{"num_used_tokens": 0, "max_total_num_tokens": 1000,
-                                                   "num_running_reqs": 0, "num_waiting_reqs": 0, "token_usage": 0.0}]})
+                with lock:
+                    used, running = count["used"], count["running"]
+                return self._json(200, {"loads": [{"num_used_tokens": used, "max_total_num_tokens": 100000,
+                                                   "num_running_reqs": running, "num_waiting_reqs": 0,
+                                                   "token_usage": used / 100000}]})
             if self.path == "/server_info":
                 return self._json(200, {"internal_states": [{"avg_spec_accept_length": args.accept}]})
             self._json(404, {"error": "not found"})
@@ -59,18 +64,30 @@ def make_handler(args):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             step = max(1, int(args.accept))
-            for done in range(step, total + step, step):
-                done = min(done, total)
-                time.sleep(args.delay_ms / 1000)
-                meta = {"completion_tokens": done, "prompt_tokens": len(prompt), "finish_reason": None}
-                if args.accept > 1:
-                    meta["spec_verify_ct"] = math.ceil(done / args.accept)
-                if done == total:
-                    meta["finish_reason"] = {"type": "length", "length": total}
-                chunk = {"text": "x" * done, "output_ids": list(range(done)), "meta_info": meta}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
+            with lock:
+                count["used"] += total + len(prompt)
+                count["running"] += 1
+            aborted = False
+            try:
+                for done in range(step, total + step, step):
+                    done = min(done, total)
+                    time.sleep(args.delay_ms / 1000)
+                    meta = {"completion_tokens": done, "prompt_tokens": len(prompt), "finish_reason": None}
+                    if args.accept > 1:
+                        meta["spec_verify_ct"] = math.ceil(done / args.accept)
+                    if done == total:
+                        meta["finish_reason"] = {"type": "length", "length": total}
+                    chunk = {"text": "x" * done, "output_ids": list(range(done)), "meta_info": meta}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                aborted = True
+            finally:
+                with lock:
+                    count["running"] -= 1
+                    if not (aborted and args.leak_on_abort):
+                        count["used"] -= total + len(prompt)
 
     return Handler
 
@@ -81,6 +98,7 @@ def main():
     ap.add_argument("--accept", type=float, default=1.0)
     ap.add_argument("--fail-every", type=int, default=0)
     ap.add_argument("--delay-ms", type=float, default=1.0)
+    ap.add_argument("--leak-on-abort", action="store_true")
     args, _ = ap.parse_known_args()
     ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args)).serve_forever()
 

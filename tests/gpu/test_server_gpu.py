@@ -35,9 +35,11 @@ RUNS = {
     "float32": [("plugin", 16, ()), ("plugin", 4, ()), ("plugin", 8, ("--disable-overlap-schedule",))],
     "bfloat16": [("plugin", 16, ()), ("builtin", 16, ())],
 }
+# DFLASH_TP_SIZE=2 runs every server (AR included) tensor-parallel, on a machine with two GPUs.
+TP_SIZE = int(os.environ.get("DFLASH_TP_SIZE", 1))
 COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-piecewise-cuda-graph",
           "--cuda-graph-max-bs", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
-          "--log-level", "warning"]
+          "--log-level", "warning", "--tp-size", str(TP_SIZE)]
 
 
 @lru_cache(maxsize=None)
@@ -237,7 +239,7 @@ def test_greedy_and_stops_match_ar_up_to_near_ties(dtype):
             "off_near_tie": sum(not r["near_tie"] for r in rows),
             "accept_length": toks / max(verify, 1), "kv_after": out["loads_after"],
         }
-    save(f"lossless_{dtype}.json", {
+    save(f"lossless_{dtype}{f'_tp{TP_SIZE}' if TP_SIZE > 1 else ''}.json", {"tp_size": TP_SIZE,
         "prompts": N_PROMPTS, "new_tokens": NEW_TOKENS, "dtype": dtype, **calibration,
         "ar_kv_after": ar_loads, "runs": summary, "divergences": {run_name(r): rows for r, rows in report.items()},
     })

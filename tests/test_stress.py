@@ -1,0 +1,60 @@
+"""scripts/stress_sglang.py against the fake server: aborts are counted, leaks and errors are caught."""
+
+import json
+
+import pytest
+
+import benchmark_sglang as bench
+from scripts import stress_sglang as stress
+from test_benchmark import start_fake
+
+
+@pytest.fixture
+def fake():
+    started = []
+
+    def start(*flags):
+        port = bench.free_port()
+        started.append(start_fake(port, *flags))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in started:
+        proc.kill()
+
+
+def test_aborted_streams_leave_nothing_behind(fake, tmp_path):
+    url = fake("--delay-ms", "5")
+    out = tmp_path / "aborts.json"
+    rc = stress.main(["--base-url", url, "--out", str(out), "--settle-seconds", "5", "aborts", "--requests", "200",
+                      "--abort-fraction", "0.3", "--concurrency", "16", "--max-prompt-words", "80"])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["pass"]
+    assert report["completed"] + report["aborted"] == 200 and report["error"] == 0
+    assert 0 < report["aborted"] <= report["planned_aborts"]
+    assert report["leak"] == {"num_used_tokens": 0, "num_running_reqs": 0}
+
+
+def test_a_server_that_leaks_on_abort_fails_the_run(fake, tmp_path):
+    url = fake("--delay-ms", "5", "--leak-on-abort")
+    out = tmp_path / "aborts.json"
+    rc = stress.main(["--base-url", url, "--out", str(out), "--settle-seconds", "1", "aborts", "--requests", "100",
+                      "--abort-fraction", "0.5", "--concurrency", "8", "--max-prompt-words", "80"])
+    report = json.loads(out.read_text())
+    assert rc == 1 and not report["pass"]
+    assert report["leak"]["num_used_tokens"] > 0 and report["leak"]["num_running_reqs"] == 0
+
+
+def test_load_holds_concurrency_and_counts_errors(fake, tmp_path):
+    out = tmp_path / "load.json"
+    rc = stress.main(["--base-url", fake("--fail-every", "7"), "--out", str(out), "--settle-seconds", "1",
+                      "load", "--concurrency", "8", "--seconds", "2"])
+    report = json.loads(out.read_text())
+    assert rc == 1 and report["requests"] > 8 and report["errors"] >= report["requests"] // 7 - 1 > 0
+    assert report["output_tok_s"] > 0 and report["server_alive"]
+
+
+def test_no_server_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        stress.main(["--base-url", f"http://127.0.0.1:{bench.free_port()}", "load"])
+    assert "no healthy server" in capsys.readouterr().err
