@@ -173,6 +173,7 @@ class RequestResult:
     latency: float = 0.0
     error: str = ""
     meta: dict = field(default_factory=dict)
+    aborted: bool = False  # the client closed the stream on purpose
 
     @property
     def tpot(self) -> Optional[float]:
@@ -181,14 +182,18 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.completion_tokens - 1)
 
 
-def generate_stream(base_url: str, payload: dict, timeout: float = 600) -> RequestResult:
-    """POST /generate with streaming, timing the first token; the last chunk carries the counters."""
+def generate_stream(base_url: str, payload: dict, timeout: float = 600,
+                    abort_after_chunks: Optional[int] = None) -> RequestResult:
+    """POST /generate with streaming, timing the first token; the last chunk carries the counters.
+
+    With ``abort_after_chunks`` the client hangs up after that many chunks, as a user who goes away.
+    """
     body = dict(payload, stream=True)
     req = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
-    last = None
+    last, chunks = None, 0
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
@@ -200,7 +205,10 @@ def generate_stream(base_url: str, payload: dict, timeout: float = 600) -> Reque
                     raise RuntimeError(str(chunk["error"]))
                 if res.ttft is None and chunk.get("meta_info", {}).get("completion_tokens", 0) > 0:
                     res.ttft = time.perf_counter() - t0
-                last = chunk
+                last, chunks = chunk, chunks + 1
+                if abort_after_chunks is not None and chunks >= abort_after_chunks:
+                    res.aborted = True
+                    break  # leaving the with-block closes the connection
     except (OSError, RuntimeError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         res.latency = time.perf_counter() - t0
@@ -210,7 +218,7 @@ def generate_stream(base_url: str, payload: dict, timeout: float = 600) -> Reque
         res.error = "empty stream"
         return res
     meta = last.get("meta_info", {})
-    res.ok = True
+    res.ok = not res.aborted
     res.meta = meta
     res.output_ids = last.get("output_ids") or []
     res.text = last.get("text", "")

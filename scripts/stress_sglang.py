@@ -20,11 +20,10 @@ import random
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmark_sglang import get_json, kv_loads, progress  # noqa: E402
+from benchmark_sglang import generate_stream, get_json, kv_loads, progress  # noqa: E402
 
 WORDS = "the of and to in is was for on that with as by at from it an be this which or are".split()
 
@@ -40,27 +39,10 @@ def mixed_payloads(n: int, seed: int, max_prompt_words: int, max_new_tokens: int
     return out
 
 
-def stream(base_url: str, payload: dict, abort_after_chunks: int | None = None, timeout: float = 600) -> dict:
-    """One streamed /generate. With ``abort_after_chunks`` the connection is closed after that many chunks."""
-    req = urllib.request.Request(base_url + "/generate", data=json.dumps(dict(payload, stream=True)).encode(),
-                                 headers={"Content-Type": "application/json"})
-    chunks, tokens = 0, 0
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    return {"status": "error", "error": str(chunk["error"])[:200], "tokens": tokens}
-                chunks += 1
-                tokens = chunk.get("meta_info", {}).get("completion_tokens", tokens)
-                if abort_after_chunks is not None and chunks >= abort_after_chunks:
-                    return {"status": "aborted", "tokens": tokens}  # leaving the with-block closes the socket
-    except (OSError, ValueError) as e:
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:200], "tokens": tokens}
-    return {"status": "completed" if chunks else "error", "tokens": tokens}
+def stream(base_url: str, payload: dict, abort_after_chunks: int | None = None) -> dict:
+    r = generate_stream(base_url, payload, abort_after_chunks=abort_after_chunks)
+    status = "aborted" if r.aborted else "completed" if r.ok else "error"
+    return {"status": status, "tokens": r.completion_tokens, **({"error": r.error[:200]} if r.error else {})}
 
 
 def alive(base_url: str) -> bool:
