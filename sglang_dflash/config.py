@@ -355,6 +355,24 @@ def _check_safetensors_length(path: str) -> None:
         )
 
 
+def is_hub_id(path: str) -> bool:
+    """``org/name`` that is not a folder here: SGLang downloads those, so the checks must too."""
+    return not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
+def local_checkpoint(path: str, flag: str, revision: Optional[str] = None) -> str:
+    """A folder to read ``config.json`` and safetensors from: the path itself, or the hub snapshot."""
+    if not is_hub_id(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, revision=revision, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:  # offline, unknown repo, no access: all say the same to the user
+        raise DFlashConfigError(flag, f"{path!r} is not a local folder and the hub has no copy ({type(e).__name__})") \
+            from None
+
+
 def load_and_validate(draft_path: str, target: TargetInfo, block_size: Optional[int] = None) -> DFlashDraftConfig:
     """Everything checked at server start: config fields, target agreement, and the tensors on disk."""
     cfg = DFlashDraftConfig.from_pretrained(draft_path)

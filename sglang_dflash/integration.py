@@ -128,13 +128,11 @@ def log_builtin_hook(original, server_args):
     return original(server_args)
 
 
-def looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id (``org/name``), which SGLang may still download."""
-    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") != 1 or os.path.exists(path)
-
-
 def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
-    if (algorithm or "").upper() == "DFLASH" and draft_path and looks_local(draft_path):
+    """A local draft path that is not a checkpoint: one line now, not a hub-client traceback."""
+    from .config import is_hub_id
+
+    if (algorithm or "").upper() == "DFLASH" and draft_path and not is_hub_id(draft_path):
         if not os.path.isfile(os.path.join(os.path.expanduser(draft_path), "config.json")):
             what = "does not exist" if not os.path.exists(os.path.expanduser(draft_path)) else "has no config.json"
             raise SystemExit(f"sglang-dflash: --speculative-draft-model-path: {draft_path!r} {what}")
@@ -162,7 +160,7 @@ def handle_dflash_args_hook(original, server_args):
 
 def validate_server_args(server_args):
     """Every start-up check that needs only files and flags. Returns the resolved draft config."""
-    from .config import DFlashConfigError, TargetInfo, load_and_validate
+    from .config import DFlashConfigError, TargetInfo, load_and_validate, local_checkpoint
 
     if server_args.pp_size != 1:
         raise DFlashConfigError("--pp-size", f"DFLASH needs pp_size 1, got {server_args.pp_size}")
@@ -172,17 +170,18 @@ def validate_server_args(server_args):
         raise DFlashConfigError(
             "--speculative-draft-window-size", f"not supported by the plugin yet (use {IMPL_ENV}=builtin)"
         )
-    draft_path = server_args.speculative_draft_model_path
-    if draft_path is None:
+    if server_args.speculative_draft_model_path is None:
         raise DFlashConfigError("--speculative-draft-model-path", "required with --speculative-algorithm DFLASH")
+    draft_path = local_checkpoint(server_args.speculative_draft_model_path, "--speculative-draft-model-path",
+                                  getattr(server_args, "speculative_draft_model_revision", None))
     block = server_args.speculative_num_draft_tokens or server_args.speculative_dflash_block_size
     for flag, value in (("--speculative-num-draft-tokens", server_args.speculative_num_draft_tokens),
                         ("--speculative-dflash-block-size", server_args.speculative_dflash_block_size)):
         if value is not None and int(value) < 2:
             raise DFlashConfigError(flag, f"the block must hold the last token and >= 1 draft, got {value}")
-    target_path = server_args.model_path
+    target_path = local_checkpoint(server_args.model_path, "--model-path", getattr(server_args, "revision", None))
     if not os.path.isfile(os.path.join(target_path, "config.json")):
-        raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json (hub ids are not resolved offline)")
+        raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json")
     target = TargetInfo.from_pretrained(target_path, context_length=server_args.context_length)
     if target.hybrid:
         raise DFlashConfigError(

@@ -160,3 +160,29 @@ def test_target_info_reads_nested_text_config():
     t = TargetInfo.from_dict({"text_config": {"hidden_size": 8, "num_hidden_layers": 3, "vocab_size": 10}})
     assert (t.hidden_size, t.num_layers, t.vocab_size) == (8, 3, 10)
 
+
+
+def test_hub_ids_are_fetched_and_local_folders_used_as_they_are(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from sglang_dflash.config import DFlashConfigError, is_hub_id, local_checkpoint
+
+    assert is_hub_id("z-lab/Qwen3-8B-DFlash-b16")
+    assert not is_hub_id(str(tmp_path)) and not is_hub_id("./draft") and not is_hub_id("a/b/c")
+    assert local_checkpoint(str(tmp_path), "--model-path") == str(tmp_path)
+    fetched = []
+
+    def snapshot(repo, revision=None, allow_patterns=None):
+        fetched.append((repo, revision, tuple(allow_patterns)))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    assert local_checkpoint("org/draft", "--speculative-draft-model-path", "main") == str(tmp_path)
+    assert fetched == [("org/draft", "main", ("*.json", "*.safetensors"))]
+
+    def offline(*a, **k):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(DFlashConfigError, match="--speculative-draft-model-path.*not a local folder"):
+        local_checkpoint("org/draft", "--speculative-draft-model-path")
