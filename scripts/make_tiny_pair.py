@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--magnet", type=float, default=3.0, help="strength of the magnet token (0: off)")
+    ap.add_argument("--logit-scale", type=float, default=8.0, help="lm_head gain: peaky logits, few near-ties")
     args = ap.parse_args()
     target_dir, draft_dir = os.path.join(args.out, "target"), os.path.join(args.out, "draft")
     os.makedirs(target_dir, exist_ok=True)
@@ -71,12 +72,12 @@ def main():
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(cfg).float()
     with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # peaky logits: few near-ties
+        target.lm_head.weight.mul_(args.logit_scale)
         if args.magnet:
             j = H - 1
             target.model.norm.weight[j] = args.magnet * 8
             target.lm_head.weight[:, j] = 0
-            target.lm_head.weight[0, j] = 8.0
+            target.lm_head.weight[0, j] = args.logit_scale
     target.save_pretrained(target_dir, safe_serialization=True)
 
     taps = sorted({1, args.layers // 2 - 1, args.layers // 2 + 1, args.layers - 2})
