@@ -235,10 +235,11 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         save_checkpoint(draft, config, cfg.out_dir)
         return cfg.out_dir
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
+    pool = list(examples)
     t0 = time.monotonic()
     for step in bar:
         progress = run_progress(step, time.monotonic() - t0, cfg)
-        batch = rng.sample(list(examples), min(cfg.batch_size, len(examples)))
+        batch = rng.sample(pool, min(cfg.batch_size, len(pool)))
         ids, attn, loss_mask = collate(batch, cfg.max_length, pad)
         anchors = sample_anchors(loss_mask, cfg.anchors, gen)
         for g in opt.param_groups:
@@ -249,7 +250,8 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         opt.step()
-        history.append({"step": step + 1, "loss": loss.item(), "acc": acc.item()})
+        loss_value, acc_value = torch.stack([loss.detach().float(), acc.float()]).tolist()  # one host sync
+        history.append({"step": step + 1, "loss": loss_value, "acc": acc_value})
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
         elapsed = time.monotonic() - t0
         done = step + 1 == cfg.steps or run_progress(step + 1, elapsed, cfg) >= 1
