@@ -63,8 +63,12 @@ def settle(base_url: str, timeout_s: float = 60) -> dict:
     return loads
 
 
-def leak(before: dict, after: dict) -> dict:
-    return {k: (after.get(k) or 0) - (before.get(k) or 0) for k in ("num_used_tokens", "num_running_reqs")}
+def after_run(base_url: str, before: dict, settle_s: float) -> dict:
+    """Is the server up, and are used KV tokens and running requests back where they were?"""
+    up = alive(base_url)
+    after = settle(base_url, settle_s) if up else {}
+    leak = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in ("num_used_tokens", "num_running_reqs")}
+    return {"server_alive": up, "loads_before": before, "loads_after": after, "leak": leak if up else None}
 
 
 def run_aborts(base_url: str, requests: int, abort_fraction: float, concurrency: int, seed: int = 0,
@@ -77,13 +81,11 @@ def run_aborts(base_url: str, requests: int, abort_fraction: float, concurrency:
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(progress(pool.map(lambda a: stream(base_url, *a), zip(payloads, plan)), requests, "aborts"))
     wall = time.perf_counter() - t0
-    up = alive(base_url)
-    after = settle(base_url, settle_s) if up else {}
     count = {s: sum(r["status"] == s for r in results) for s in ("completed", "aborted", "error")}
     return {"mode": "aborts", "requests": requests, "planned_aborts": sum(p is not None for p in plan), **count,
             "errors_sample": [r["error"] for r in results if r["status"] == "error"][:5],
-            "output_tokens": sum(r["tokens"] for r in results), "wall_s": round(wall, 1), "server_alive": up,
-            "loads_before": before, "loads_after": after, "leak": leak(before, after) if up else None}
+            "output_tokens": sum(r["tokens"] for r in results), "wall_s": round(wall, 1),
+            **after_run(base_url, before, settle_s)}
 
 
 def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max_new_tokens: int = 256,
@@ -110,8 +112,6 @@ def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    up = alive(base_url)
-    after = settle(base_url, settle_s) if up else {}
     tokens = sum(r["tokens"] for r in results)
     latencies.sort()
     return {"mode": "load", "concurrency": concurrency, "seconds": seconds, "wall_s": round(wall, 1),
@@ -119,8 +119,8 @@ def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max
             "errors_sample": [r.get("error") for r in results if r["status"] != "completed"][:5],
             "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1),
             "latency_p50_s": round(latencies[len(latencies) // 2], 3) if latencies else None,
-            "latency_max_s": round(latencies[-1], 3) if latencies else None, "server_alive": up,
-            "loads_before": before, "loads_after": after, "leak": leak(before, after) if up else None}
+            "latency_max_s": round(latencies[-1], 3) if latencies else None,
+            **after_run(base_url, before, settle_s)}
 
 
 def verdict(report: dict) -> bool:

@@ -133,8 +133,9 @@ def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
     from .config import is_hub_id
 
     if (algorithm or "").upper() == "DFLASH" and draft_path and not is_hub_id(draft_path):
-        if not os.path.isfile(os.path.join(os.path.expanduser(draft_path), "config.json")):
-            what = "does not exist" if not os.path.exists(os.path.expanduser(draft_path)) else "has no config.json"
+        folder = os.path.expanduser(draft_path)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            what = "has no config.json" if os.path.exists(folder) else "does not exist"
             raise SystemExit(f"sglang-dflash: --speculative-draft-model-path: {draft_path!r} {what}")
     return original(algorithm, draft_path, *args, **kwargs)
 

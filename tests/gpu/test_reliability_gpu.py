@@ -10,7 +10,6 @@ import json
 import os
 import urllib.error
 import urllib.request
-from functools import lru_cache
 
 import pytest
 
@@ -38,23 +37,15 @@ def post(url, payload):
             return e.code, {"error": body}
 
 
-@lru_cache(maxsize=None)
-def server():
+@pytest.fixture(scope="module")
+def url():
     target, draft, _ = tiny_pair()
     # the grammar backend is on here (the other GPU tests turn it off): JSON-schema requests need it
     flags = [f for f in COMMON if f not in ("--grammar-backend", "none")]
     spec = ServerSpec("plugin", target, draft, 16, flags + ["--dtype", "bfloat16", "--context-length", str(CONTEXT),
                                                             "--max-running-requests", "64"])
-    srv = Server(spec, log_path=os.path.join(RESULTS, "server-reliability.log"), timeout_s=600)
-    srv.__enter__()
-    return srv
-
-
-@pytest.fixture(scope="module")
-def url():
-    srv = server()
-    yield srv.url
-    srv.__exit__(None, None, None)
+    with Server(spec, log_path=os.path.join(RESULTS, "server-reliability.log"), timeout_s=600) as srv:
+        yield srv.url
 
 
 def served_or_refused(status, body):
