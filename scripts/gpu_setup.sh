@@ -2,14 +2,38 @@
 # Source on the GPU machine (no registry there): SGLang from the carried kit, then this checkout
 # installed in development mode so SGLang's plugin loader finds the entry point.
 #   source scripts/gpu_setup.sh
+# The kit comes either whole (.devkit) or in parts (.carry1, .carry2 from scripts/pack_carry.sh,
+# one per run, back to back): every run stashes the parts it carries in /tmp/devkit-parts.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+parts=/tmp/devkit-parts
+mkdir -p $parts
+for d in "$here"/.carry[0-9]; do [ -d "$d" ] && cp "$d"/*.part* "$d"/manifest.sha256 $parts/ 2>/dev/null; done
+[ -f "$here/.carry5/gguf_to_hf.py" ] && cp "$here/.carry5/gguf_to_hf.py" $parts/
+
+have_parts() {  # have_parts kit|gguf: all parts of the manifest are stashed, with the right checksums
+    [ -f $parts/manifest.sha256 ] && (cd $parts && grep " $1.part" manifest.sha256 | sha256sum -c --quiet 2>/dev/null)
+}
 if [ -f "$here/.devkit/gpu-env.sh" ]; then
     source "$here/.devkit/gpu-env.sh"
-elif [ -f /tmp/devkit-site/.ok ]; then  # a later run on the same warm machine need not carry the kit
+elif [ -f /tmp/devkit-site/.ok ]; then
+    export PYTHONPATH=/tmp/devkit-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+elif have_parts kit; then
+    mkdir -p /tmp/devkit-site && cat $parts/kit.part* | tar -xJ -C /tmp/devkit-site && touch /tmp/devkit-site/.ok \
+        && rm -f $parts/kit.part*
     export PYTHONPATH=/tmp/devkit-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 else
-    echo "gpu_setup: no .devkit carried and /tmp/devkit-site is gone (the machine was not warm)" >&2; return 1
+    echo "gpu_setup: the kit is not complete on this machine (stashed: $(ls $parts | tr '\n' ' '));" \
+         "carry .devkit, or .carry1 and .carry2 in back-to-back runs" >&2
+    return 1
 fi
+
+# gpu_model DIR: the SmolLM2 HF folder, converted once all GGUF parts are stashed.
+gpu_model() {
+    [ -f "$1/config.json" ] && return 0
+    have_parts gguf || { echo "gpu_model: GGUF parts missing (stashed: $(ls $parts | tr '\n' ' '))" >&2; return 1; }
+    cat $parts/gguf.part* > /tmp/smollm2.gguf && python3 $parts/gguf_to_hf.py /tmp/smollm2.gguf "$1" && rm -f /tmp/smollm2.gguf
+}
+
 site=/tmp/devkit-site
 if [ ! -d "$site/sglang_dflash-0.1.0.dist-info" ]; then
     # The metadata pip would write for `pip install -e .`, minus the build step pip cannot do offline.

@@ -1,49 +1,45 @@
 #!/usr/bin/env bash
 # Train and measure a DFlash draft for SmolLM2-135M-Instruct on the lent GPU. A run carries at most
-# 64 MiB, so the kit and the two model chunks travel in separate runs issued back to back (the
-# machine stays warm 30 s; each phase checks what the previous one left in /tmp).
-# Here first: ../shared/devkit/pack-smollm2.sh
+# 64 MiB, so the kit and the model travel in parts (scripts/pack_carry.sh), one per run, back to back
+# (the machine stays warm 30 s); every run stashes its part and says what is still missing.
+# Here first: ../shared/devkit/pack-smollm2.sh && bash scripts/pack_carry.sh
 #             python scripts/fetch_datasets.py --data-dir .bench-data --datasets sharegpt,gsm8k,humaneval,mbpp,mt-bench
-#   0. any run carrying .devkit (unpacks the kit), then, carrying .devkit-m1:  bash .devkit-m1/stash.sh
-#   1. carry .devkit-m2 .bench-data:   bash scripts/gpu_smollm2.sh train    (regenerates, then trains CHUNK_MINUTES)
-#   2. carry .bench-data:              bash scripts/gpu_smollm2.sh resume   (as often as the budget allows)
-#   3. carry .bench-data:              bash scripts/gpu_smollm2.sh measure [IMPLS]; bash scripts/gpu_smollm2.sh baseline
-# The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-dflash-b16/model.safetensors
+#   runs 1-4, carrying .carry1 .. .carry4:  source scripts/gpu_setup.sh || true   (or any GPU test command)
+#   run 5, carrying .carry5 .bench-data:    bash scripts/gpu_smollm2.sh train      (regenerates, trains TRAIN_MINUTES)
+#                                           bash scripts/gpu_smollm2.sh measure [IMPLS] | extra
+# The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_setup.sh
 out=${OUT:-$PWD/smollm2-out}
-target=/tmp/smollm2 draft=/tmp/smollm2-dflash-b16
+target=/tmp/smollm2
+# The shipped draft when the tree has one, else the one trained on this machine.
+draft=/tmp/smollm2-dflash-b16
+[ -f results/smollm2-draft/model.safetensors ] && [ "$1" != train ] && draft=$PWD/results/smollm2-draft
 flags="--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.5 --log-level warning"
-train_draft() {  # one chunk of training; a chunk that finds a checkpoint resumes it (schedule by --steps)
-    python3 -m sglang_dflash.train --target $target --out $draft --data-dir .bench-data \
-        --datasets sharegpt,gsm8k,mbpp,mt-bench --per-dataset ${PER_DATASET:-6000} --max-new-tokens 384 \
-        --block-size 16 --draft-layers 3 --mask-token-id 16 --steps ${STEPS:-8000} --batch-size 16 \
-        --save-every 500 --pause-after-minutes ${CHUNK_MINUTES:-7} "$@" 2>&1 | tr '\r' '\n' | awk 'NR % 300 == 0 || !/it\/s\]|s\/it\]/'
-    tail -n 2 $draft/train_log.jsonl
-    # Each chunk sends the draft home, so a machine lost before 'measure' loses no training.
-    cp $draft/config.json $draft/train_log.jsonl "$out"/ && split -b 15m $draft/model.safetensors "$out"/draft.part
+bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS
+    python3 benchmark_sglang.py --model-path $target --draft-model-path $2 --impls $1 \
+        --datasets gsm8k,humaneval,mt-bench --data-dir .bench-data --num-prompts $5 --max-new-tokens 256 \
+        --concurrencies $4 --server-args "$flags" --output-dir "$out/$3" --log-dir /tmp/bench-logs \
+        --summary "$out/$3/summary.json"
 }
-case "${1:?train|resume|measure|baseline}" in
+gpu_model $target
+case "${1:?train|measure|extra}" in
 train)
-    [ -f /tmp/devkit-parts/gguf.part00 ] || { echo "chunk 1 is gone: the machine was not warm; stash it again"; exit 1; }
-    bash .devkit-m2/stash.sh && bash .devkit-m2/assemble.sh $target
     python3 -c "from transformers import AutoTokenizer as T; t=T.from_pretrained('$target'); print({i: t.convert_ids_to_tokens(i) for i in range(17)})"
     # The mask is a special row the chat never emits: id 16 is <empty_output> (printed above).
+    python3 -m sglang_dflash.train --target $target --out $draft --data-dir .bench-data \
+        --datasets sharegpt,gsm8k,mbpp,mt-bench --per-dataset ${PER_DATASET:-6000} --max-new-tokens 384 \
+        --block-size 16 --draft-layers 3 --mask-token-id 16 --steps 100000 --max-minutes ${TRAIN_MINUTES:-6.5} \
+        --batch-size 16 --save-every 500 2>&1 | tr '\r' '\n' | awk 'NR % 300 == 0 || !/it\/s\]|s\/it\]/'
+    tail -n 2 $draft/train_log.jsonl
+    cp $draft/config.json $draft/train_log.jsonl "$out"/ && split -b 15m $draft/model.safetensors "$out"/draft.part
+    xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;  # the regenerated set, for later runs
+measure)  # AR, the plugin and the built-in on the trained draft (plus NGRAM); ~3 servers per 10-minute run
+    bench ${2:-ar,plugin,builtin} $draft trained 1,8,32 16 ;;
+extra)  # the untrained draft (same layout, --steps 0) and NGRAM on the same prompts
     python3 -m sglang_dflash.train --target $target --out $draft-untrained --block-size 16 --draft-layers 3 \
         --mask-token-id 16 --steps 0
-    train_draft ;;
-resume)
-    [ -f $draft/trainer_state.pt ] || { echo "the training state is gone: the machine was not warm"; exit 1; }
-    train_draft --resume ;;
-measure)  # measure [IMPLS]: a sweep of ~4 servers fits one 10-minute run; results.json is written per server
-    [ -f $draft/model.safetensors ] || { echo "the trained draft is gone: the machine was not warm"; exit 1; }
-    python3 benchmark_sglang.py --model-path $target --draft-model-path $draft --impls ${2:-ar,plugin,builtin,ngram} \
-        --datasets gsm8k,humaneval,mt-bench --data-dir .bench-data --num-prompts ${NUM_PROMPTS:-32} --max-new-tokens 256 \
-        --concurrencies 1,8,32 --server-args "$flags" --output-dir "$out/trained" --log-dir /tmp/bench-logs \
-        --summary "$out/trained/summary.json" ;;
-baseline)  # the untrained draft (same layout, --steps 0) on the same prompts
-    python3 benchmark_sglang.py --model-path $target --draft-model-path $draft-untrained --impls plugin \
-        --datasets gsm8k,humaneval,mt-bench --data-dir .bench-data --num-prompts 16 --max-new-tokens 256 --concurrencies 8 \
-        --server-args "$flags" --output-dir "$out/untrained" --log-dir /tmp/bench-logs ;;
+    bench plugin $draft-untrained untrained 8 16
+    bench ngram $draft ngram 1,8 16 ;;
 esac

@@ -13,6 +13,7 @@ The math is the one in :mod:`sglang_dflash.reference`; GPU tests compare the two
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Optional
 
 import torch
@@ -24,12 +25,13 @@ from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
-from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.runtime_context import get_parallel
 
 from .config import IGNORED_TENSOR_SUFFIXES, DFlashConfigError, DFlashDraftConfig, canonical_tensor_name
+from .ops.context_kv import norm_rope_split
 
 
 def _draft_config(hf_config) -> DFlashDraftConfig:
@@ -151,6 +153,8 @@ class DFlashDraftModel(nn.Module):
         # K is fixed by the checkpoint: taps listed, else one per draft layer (the default rule).
         num_features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_hidden_layers
         self.fc = nn.Linear(num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self._stacked_kv = None  # (weight, bias, k-norm weights), built after the weights load
+        self._fused_context_kv = os.environ.get("SGLANG_DFLASH_FUSED_CONTEXT_KV", "1") != "0"
 
     def get_attention_sliding_window_size(self) -> Optional[int]:
         cfg = self.dflash_config
@@ -163,6 +167,47 @@ class DFlashDraftModel(nn.Module):
                 f"(fc.weight), the target captured {target_hidden.shape[-1]}"
             )
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def context_kv(self, positions: torch.Tensor, ctx: torch.Tensor) -> list[tuple[RadixAttention, torch.Tensor, torch.Tensor]]:
+        """(attention, K, V) of projected target context for every draft layer.
+
+        One stacked GEMM and one Triton launch for all layers where they allow it (unquantised,
+        one shared plain RoPE over the whole head, on CUDA); else layer by layer.
+        """
+        stacked = self._stacked_context_weights(ctx)
+        if stacked is None:
+            return [(layer.self_attn.attn, *layer.self_attn.context_kv(positions, ctx)) for layer in self.layers]
+        weight, bias, k_norm_weight = stacked
+        attn = self.layers[0].self_attn
+        k, v = norm_rope_split(
+            F.linear(ctx, weight, bias), positions, k_norm_weight, attn.rotary_emb.cos_sin_cache,
+            attn.k_norm.variance_epsilon, len(self.layers), attn.num_kv_heads, attn.head_dim,
+        )
+        return [(layer.self_attn.attn, k[i], v[i]) for i, layer in enumerate(self.layers)]
+
+    def _stacked_context_weights(self, ctx: torch.Tensor):
+        if self._stacked_kv is None:
+            attns = [layer.self_attn for layer in self.layers]
+            rope = attns[0].rotary_emb
+            plain_rope = (
+                isinstance(rope, RotaryEmbedding)
+                and type(rope).forward_cuda is RotaryEmbedding.forward_cuda
+                and type(rope).forward_native is RotaryEmbedding.forward_native
+                and rope.is_neox_style and rope.rotary_dim == rope.head_size
+            )
+            ok = (
+                self._fused_context_kv and ctx.is_cuda and plain_rope
+                and all(a.rotary_emb is rope for a in attns)
+                and len({a.k_norm.variance_epsilon for a in attns}) == 1
+                and all(type(a.qkv_proj.quant_method).__name__ == "UnquantizedLinearMethod" for a in attns)
+            )
+            if not ok:
+                self._stacked_kv = False
+            else:
+                weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+                bias = None if attns[0].qkv_proj.bias is None else torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns])
+                self._stacked_kv = (weight, bias, torch.stack([a.k_norm.weight for a in attns]).contiguous())
+        return self._stacked_kv or None
 
     @torch.no_grad()
     def forward(

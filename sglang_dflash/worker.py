@@ -362,20 +362,16 @@ class DFlashWorker(BaseSpecWorker):
 
     @torch.inference_mode()
     def write_context_kv(self, hidden, positions, cache_loc, commit_len=None) -> None:
-        """Project target features once, then per draft layer write K (normed, rotated) and V."""
+        """Project target features once, then write every draft layer's K (normed, rotated) and V."""
         if hidden.numel() == 0:
             return
         ctx = self.draft_model.project_target_hidden(hidden)
         pool = self.draft_model_runner.token_to_kv_pool
-        for layer in self.draft_model.layers:
-            attn = layer.self_attn
-            k, v = attn.context_kv(positions, ctx)
+        for attn, k, v in self.draft_model.context_kv(positions, ctx):
             if commit_len is None:
-                pool.set_kv_buffer(attn.attn, cache_loc, k, v, attn.attn.k_scale, attn.attn.v_scale)
+                pool.set_kv_buffer(attn, cache_loc, k, v, attn.k_scale, attn.v_scale)
             else:
-                pool.set_kv_buffer_prefix_valid(
-                    attn.attn, cache_loc, commit_len, k, v, attn.attn.k_scale, attn.attn.v_scale
-                )
+                pool.set_kv_buffer_prefix_valid(attn, cache_loc, commit_len, k, v, attn.k_scale, attn.v_scale)
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)

@@ -195,37 +195,10 @@ def first_divergence(a, b):
 
 
 def test_triton_kernels_match_reference():
-    from sglang_dflash.ops import accept_block, prepare_block
-    from sglang_dflash.reference import accept_block as ref_accept
+    import kernel_checks
 
-    g = torch.Generator().manual_seed(0)
-    for B in (2, 4, 8, 16):
-        bs = 37
-        cand = torch.randint(0, 3, (bs, B), generator=g).cuda()
-        tgt = torch.randint(0, 3, (bs, B), generator=g).cuda()
-        pre = torch.randint(0, 100, (bs,), generator=g).cuda()
-        outs = [torch.empty(bs, dtype=torch.int32, device="cuda"), torch.empty(bs, dtype=torch.int32, device="cuda"),
-                torch.empty(bs, dtype=torch.int64, device="cuda"), torch.empty((bs, B), dtype=torch.int64, device="cuda"),
-                torch.empty(bs, dtype=torch.int64, device="cuda")]
-        accept_block(cand, tgt, pre, *outs)
-        ref = ref_accept(cand.cpu(), tgt.cpu())
-        assert outs[0].cpu().tolist() == ref.accept_len.tolist()
-        assert outs[2].cpu().tolist() == ref.bonus.tolist()
-        assert (outs[4].cpu() == pre.cpu() + ref.commit_len).all()
-        for r in range(bs):
-            n = int(ref.commit_len[r])
-            assert outs[3][r, :n].cpu().tolist() == ref.out_tokens[r, :n].tolist()
-
-        req_to_token = torch.arange(20 * 400, device="cuda").view(20, 400)
-        slots = torch.randperm(20, generator=g)[:bs % 20 + 1].cuda()
-        n = slots.numel()
-        bonus, lens = torch.randint(0, 99, (n,)).cuda(), torch.randint(0, 300, (n,)).cuda()
-        blk, pos, loc = (torch.empty((n, B), dtype=torch.int64, device="cuda") for _ in range(3))
-        prepare_block(bonus, lens, slots, req_to_token, 7, blk, pos, loc)
-        for r in range(n):
-            assert blk[r].tolist() == [int(bonus[r])] + [7] * (B - 1)
-            assert pos[r].tolist() == list(range(int(lens[r]), int(lens[r]) + B))
-            assert loc[r].tolist() == req_to_token[slots[r], lens[r]:lens[r] + B].tolist()
+    kernel_checks.check_block_kernels("cuda")
+    kernel_checks.check_context_kv("cuda")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,84 @@
+"""Checks of the Triton kernels against the pure-torch reference, on any device.
+
+``tests/test_ops.py`` runs them on CPU through Triton's interpreter; the GPU suite on CUDA.
+"""
+
+import torch
+from conftest import draft_config_dict
+
+from sglang_dflash.config import DFlashDraftConfig
+from sglang_dflash.ops import accept_block, norm_rope_split, prepare_block
+from sglang_dflash.reference import ReferenceDraft
+from sglang_dflash.reference import accept_block as ref_accept
+
+
+def check_block_kernels(device: str) -> None:
+    """prepare_block and accept_block against reference.accept_block and the request table."""
+    g = torch.Generator().manual_seed(0)
+    for B in (4, 8, 16):
+        bs = 9
+        cand, tgt = (torch.randint(0, 3, (bs, B), generator=g) for _ in range(2))
+        pre = torch.randint(0, 100, (bs,), generator=g)
+        outs = [torch.empty(bs, dtype=torch.int32, device=device), torch.empty(bs, dtype=torch.int32, device=device),
+                torch.empty(bs, dtype=torch.int64, device=device), torch.empty((bs, B), dtype=torch.int64, device=device),
+                torch.empty(bs, dtype=torch.int64, device=device)]
+        accept_block(cand.to(device), tgt.to(device), pre.to(device), *outs)
+        accept_len, _, bonus, out_tokens, new_lens = (t.cpu() for t in outs)
+        ref = ref_accept(cand, tgt)
+        assert accept_len.tolist() == ref.accept_len.tolist()
+        assert bonus.tolist() == ref.bonus.tolist()
+        assert (new_lens == pre + ref.commit_len).all()
+        for r in range(bs):
+            n = int(ref.commit_len[r])
+            assert out_tokens[r, :n].tolist() == ref.out_tokens[r, :n].tolist()
+
+        req_to_token = torch.arange(20 * 400).view(20, 400)
+        slots = torch.randperm(20, generator=g)[:bs]
+        bonus_in, lens = torch.randint(0, 99, (bs,), generator=g), torch.randint(0, 300, (bs,), generator=g)
+        blk, pos, loc = (torch.empty((bs, B), dtype=torch.int64, device=device) for _ in range(3))
+        prepare_block(bonus_in.to(device), lens.to(device), slots.to(device), req_to_token.to(device), 7, blk, pos, loc)
+        blk, pos, loc = blk.cpu(), pos.cpu(), loc.cpu()
+        for r in range(bs):
+            assert blk[r].tolist() == [int(bonus_in[r])] + [7] * (B - 1)
+            assert pos[r].tolist() == list(range(int(lens[r]), int(lens[r]) + B))
+            assert loc[r].tolist() == req_to_token[slots[r], lens[r]:lens[r] + B].tolist()
+
+
+@torch.no_grad()
+def check_context_kv(device: str) -> None:
+    """One stacked GEMM + norm_rope_split equals ReferenceDraft.context_kv (k_proj, k_norm, RoPE; v_proj)."""
+    torch.manual_seed(0)
+    heads, kv_heads, hd, layers = 6, 3, 16, 3
+    cfg = DFlashDraftConfig.from_dict(draft_config_dict(
+        hidden_size=96, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hd, attention_bias=True,
+        dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 1, "block_size": 4}))
+    draft = ReferenceDraft(cfg)
+    for layer in draft.layers:  # non-trivial norm weights
+        layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
+    ctx = torch.randn(13, cfg.hidden_size)
+    positions = torch.tensor([0, 1, 2, 7, 8, 9, 100, 101, 4095, 3, 5, 6, 30])
+    attns = [layer.self_attn for layer in draft.layers]
+    stacked = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attns])
+    bias = torch.cat([torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attns])
+    # The cache SGLang's RotaryEmbedding keeps: one row per position, [cos x hd/2, sin x hd/2].
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    angles = torch.arange(4096, dtype=torch.float)[:, None] * inv_freq
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+    norm_w = torch.stack([a.k_norm.weight for a in attns])
+
+    def fused(pos):
+        kv = torch.nn.functional.linear(ctx, stacked, bias)
+        args = (kv, pos, norm_w, cos_sin)
+        k, v = norm_rope_split(*(t.to(device) for t in args), cfg.rms_norm_eps, layers, kv_heads, hd)
+        return k.cpu(), v.cpu()
+
+    k, v = fused(positions)
+    assert k.shape == v.shape == (layers, 13, kv_heads, hd) and k[1].is_contiguous() and v[2].is_contiguous()
+    ref = draft.context_kv(ctx, positions)
+    for i, (ref_k, ref_v) in enumerate(ref):
+        torch.testing.assert_close(k[i], ref_k, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(v[i], ref_v, atol=1e-5, rtol=1e-5)
+    # A wrong position must show: the comparison can fail.
+    shifted, _ = fused(positions + 1)
+    assert not torch.allclose(shifted[0], ref[0][0], atol=1e-2)
