@@ -90,18 +90,27 @@ def fp32_rmsnorm_hook(original, self, x, *args, **kwargs):
 
 
 def stop_before_length_hook(original, req, new_accepted_len: int = 1):
-    """A stop token or string accepted within the token budget ends the request there."""
+    """Finish a multi-token step as plain decoding would have, token by token.
+
+    SGLang checks the budget before stops, so a stop token or string accepted inside the step
+    that also reaches the budget was ignored. Plain decoding checks stops on every token before
+    the budget-th one, and reports the budget on that token: run the stop checks on the
+    accepted tokens that precede it first.
+    """
     budget = req.sampling_params.max_new_tokens
-    if new_accepted_len <= 1 or budget is None or len(req.output_ids) < budget or req.finished() or req.to_finish:
+    produced = len(req.output_ids)
+    if new_accepted_len <= 1 or budget is None or produced < budget or req.finished() or req.to_finish:
         return original(req, new_accepted_len)
-    req.sampling_params.max_new_tokens = len(req.output_ids) + 1  # let the stop checks run first
-    try:
-        original(req, new_accepted_len)
-    finally:
-        req.sampling_params.max_new_tokens = budget
-    if req.finished() and req.finished_len is not None and req.finished_len <= budget:
-        return None
-    req.finished_reason, req.finished_len = None, None  # the stop lies past the budget: a length finish
+    before_budget = new_accepted_len - (produced - (budget - 1))
+    if before_budget > 0:
+        output_ids = req.output_ids
+        req.output_ids = output_ids[: budget - 1]  # below the budget: only the stop checks run
+        try:
+            original(req, before_budget)
+        finally:
+            req.output_ids = output_ids
+        if req.finished():
+            return None
     return original(req, new_accepted_len)
 
 

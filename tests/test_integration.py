@@ -6,6 +6,7 @@ loading is once per process.
 
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -182,20 +183,58 @@ def make_req(budget, output_ids, stop_ids=(0,)):
     return req
 
 
-@pytest.mark.parametrize("budget, output_ids, accepted, reason, length", [
-    (8, [5, 6, 7, 8, 0, 9, 10, 11], 5, "FINISH_MATCHED_TOKEN", 5),  # stop inside the budget
-    (6, [5, 6, 7, 8, 9, 10, 0, 11], 5, "FINISH_LENGTH", 6),  # stop past the budget
-    (20, [5, 6, 7, 8, 0, 9], 3, "FINISH_MATCHED_TOKEN", 5),  # budget not reached: SGLang's own path
-    (4, [5, 6, 7, 0], 1, "FINISH_LENGTH", 4),  # one token per step: plain decoding's order
-    (8, [5, 6, 7, 8, 9, 10, 11, 12], 5, "FINISH_LENGTH", 8),
-])
-def test_stop_before_length_hook(budget, output_ids, accepted, reason, length):
+def finish(req):
+    return type(req.finished_reason).__name__, req.finished_len
+
+
+def plain_decoding_finish(budget, output_ids):
+    """What AR reports: SGLang's own update_finish_state, one token per step."""
     from sglang.srt.managers.schedule_batch import Req
 
-    req = make_req(budget, output_ids)
-    integration.stop_before_length_hook(Req.update_finish_state, req, accepted)
-    assert (type(req.finished_reason).__name__, req.finished_len) == (reason, length)
-    assert req.sampling_params.max_new_tokens == budget
+    req = make_req(budget, [])
+    for token in output_ids:
+        req.output_ids.append(token)
+        Req.update_finish_state(req, 1)
+        if req.finished():
+            break
+    return finish(req)
+
+
+def speculative_finish(budget, output_ids, step_sizes):
+    """The same tokens committed a verify step at a time, through the hook."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    req, done = make_req(budget, []), 0
+    for n in step_sizes:
+        req.output_ids.extend(output_ids[done:done + n])
+        done += n
+        integration.stop_before_length_hook(Req.update_finish_state, req, n)
+        assert req.sampling_params.max_new_tokens == budget
+        if req.finished() or done >= len(output_ids):
+            break
+    return finish(req)
+
+
+@pytest.mark.parametrize("budget, output_ids, steps, expected", [
+    (8, [5, 6, 7, 8, 0, 9, 10, 11], [3, 5], ("FINISH_MATCHED_TOKEN", 5)),  # stop inside the step that ends the budget
+    (6, [5, 6, 7, 8, 9, 10, 0, 11], [3, 5], ("FINISH_LENGTH", 6)),  # stop past the budget
+    (5, [5, 6, 7, 8, 0, 9], [2, 4], ("FINISH_LENGTH", 5)),  # stop on the budget's own token: AR says length
+    (20, [5, 6, 7, 8, 0, 9], [1, 5], ("FINISH_MATCHED_TOKEN", 5)),  # budget not reached: SGLang's own path
+])
+def test_stop_before_length_hook_cases(budget, output_ids, steps, expected):
+    assert speculative_finish(budget, output_ids, steps) == expected == plain_decoding_finish(budget, output_ids)
+
+
+def test_stop_before_length_hook_equals_plain_decoding_on_random_steps():
+    rng = random.Random(0)
+    for _ in range(400):
+        output_ids = [rng.choice([0, 5, 6, 7, 8, 9]) for _ in range(rng.randrange(1, 24))]
+        budget = rng.randrange(1, 26)
+        steps = [rng.randrange(1, 9) for _ in range(len(output_ids))]
+        ar = plain_decoding_finish(budget, output_ids)
+        if ar[0] == "NoneType":
+            continue  # AR would go on decoding: the finish is decided by later tokens
+        assert speculative_finish(budget, output_ids, steps) == ar, (budget, output_ids, steps)
 
 
 def test_draft_path_hook_refuses_missing_local_paths_and_passes_hub_ids(tmp_path):

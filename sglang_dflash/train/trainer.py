@@ -110,6 +110,8 @@ def draft_config_dict(target_config, cfg: TrainConfig, mask_token_id: int) -> di
         "vocab_size": t.vocab_size,
         "attention_bias": False,
         "tie_word_embeddings": False,
+        # The dtype the weights are saved in: without it SGLang's built-in loads the draft as fp16.
+        "torch_dtype": "bfloat16",
         "num_target_layers": t.num_hidden_layers,
         "block_size": cfg.block_size,
         "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": mask_token_id, "block_size": cfg.block_size},

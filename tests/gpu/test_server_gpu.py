@@ -35,6 +35,10 @@ RUNS = {
     "float32": [("plugin", 16, ()), ("plugin", 4, ()), ("plugin", 8, ("--disable-overlap-schedule",))],
     "bfloat16": [("plugin", 16, ()), ("builtin", 16, ())],
 }
+# DFLASH_RUNS="plugin:16,builtin:16" keeps only those runs (a shorter GPU call).
+if os.environ.get("DFLASH_RUNS"):
+    _keep = {tuple(r.split(":")) for r in os.environ["DFLASH_RUNS"].split(",")}
+    RUNS = {dtype: [r for r in runs if (r[0], str(r[1])) in _keep] for dtype, runs in RUNS.items()}
 # DFLASH_TP_SIZE=2 runs every server (AR included) tensor-parallel, on a machine with two GPUs.
 TP_SIZE = int(os.environ.get("DFLASH_TP_SIZE", 1))
 COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-piecewise-cuda-graph",
