@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU test run on the lent machine: bash scripts/gpu_tests.sh [pytest -k expression]
+# The kit: carry .devkit, or .carry1 then .carry2 (scripts/pack_carry.sh) in back-to-back runs.
 # Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
 #   bash scripts/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
 #   bash scripts/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
