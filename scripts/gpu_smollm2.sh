@@ -4,9 +4,11 @@
 # (the machine stays warm 30 s); every run stashes its part and says what is still missing.
 # Here first: ../shared/devkit/pack-smollm2.sh && bash scripts/pack_carry.sh
 #             python scripts/fetch_datasets.py --data-dir .bench-data --datasets sharegpt,gsm8k,humaneval,mbpp,mt-bench
-#   runs 1-4, carrying .carry1 .. .carry4:  source scripts/gpu_setup.sh || true   (or any GPU test command)
-#   run 5, carrying .carry5 .bench-data:    bash scripts/gpu_smollm2.sh train      (regenerates, trains TRAIN_MINUTES)
-#                                           bash scripts/gpu_smollm2.sh measure [IMPLS] | extra
+#             python scripts/fetch_datasets.py --data-dir .bench-eval --datasets gsm8k,humaneval,mt-bench  (0.6 MB)
+# The tree carries the shipped draft (24 MB), so each run holds one part and little else:
+#   runs 1-5, carrying .carry1 .. .carry5:  source scripts/gpu_setup.sh || true   (or any GPU test command)
+#   then, carrying .bench-data:             bash scripts/gpu_smollm2.sh train      (regenerates, trains TRAIN_MINUTES)
+#   or, carrying .bench-eval:               bash scripts/gpu_smollm2.sh measure [IMPLS] | extra
 # The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +21,12 @@ draft=/tmp/smollm2-dflash-b16
 flags="--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.5 --log-level warning"
 bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS
     python3 benchmark_sglang.py --model-path $target --draft-model-path $2 --impls $1 \
-        --datasets gsm8k,humaneval,mt-bench --data-dir .bench-data --num-prompts $5 --max-new-tokens 256 \
+        --datasets gsm8k,humaneval,mt-bench --data-dir $data --num-prompts $5 --max-new-tokens 256 \
         --concurrencies $4 --server-args "$flags" --output-dir "$out/$3" --log-dir /tmp/bench-logs \
         --summary "$out/$3/summary.json"
 }
 gpu_model $target
+data=.bench-data; [ -d $data ] || data=.bench-eval
 case "${1:?train|measure|extra}" in
 train)
     python3 -c "from transformers import AutoTokenizer as T; t=T.from_pretrained('$target'); print({i: t.convert_ids_to_tokens(i) for i in range(17)})"
