@@ -7,7 +7,8 @@
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 parts=/tmp/devkit-parts
 mkdir -p $parts
-for d in "$here"/.carry[0-9]; do [ -d "$d" ] && cp "$d"/*.part* "$d"/manifest.sha256 $parts/ 2>/dev/null; done
+# No-clobber: a script that sources this again does not copy the parts again.
+for d in "$here"/.carry[0-9]; do [ -d "$d" ] && cp -n "$d"/*.part* "$d"/manifest.sha256 $parts/ 2>/dev/null; done
 [ -f "$here/.carry5/gguf_to_hf.py" ] && cp "$here/.carry5/gguf_to_hf.py" $parts/
 
 have_parts() {  # have_parts kit|gguf: all parts of the manifest are stashed, with the right checksums
@@ -18,8 +19,7 @@ if [ -f "$here/.devkit/gpu-env.sh" ]; then
 elif [ -f /tmp/devkit-site/.ok ]; then
     export PYTHONPATH=/tmp/devkit-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 elif have_parts kit; then
-    mkdir -p /tmp/devkit-site && cat $parts/kit.part* | tar -xJ -C /tmp/devkit-site && touch /tmp/devkit-site/.ok \
-        && rm -f $parts/kit.part*
+    mkdir -p /tmp/devkit-site && cat $parts/kit.part* | tar -xJ -C /tmp/devkit-site && touch /tmp/devkit-site/.ok
     export PYTHONPATH=/tmp/devkit-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 else
     echo "gpu_setup: the kit is not complete on this machine (stashed: $(ls $parts | tr '\n' ' '));" \

@@ -24,6 +24,7 @@ from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -199,7 +200,7 @@ class DFlashDraftModel(nn.Module):
                 self._fused_context_kv and ctx.is_cuda and plain_rope
                 and all(a.rotary_emb is rope for a in attns)
                 and len({a.k_norm.variance_epsilon for a in attns}) == 1
-                and all(type(a.qkv_proj.quant_method).__name__ == "UnquantizedLinearMethod" for a in attns)
+                and all(type(a.qkv_proj.quant_method) is UnquantizedLinearMethod for a in attns)
             )
             if not ok:
                 self._stacked_kv = False
