@@ -33,6 +33,8 @@ IMPL_ENV = "SGLANG_DFLASH_IMPL"
 # ``--dtype float32`` servers (AR included) fail without it.
 FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"
 RMSNORM_CUDA = "sglang.srt.layers.layernorm.RMSNorm.forward_cuda"
+# Its JIT kernel has no float32 build either, and a failed build is retried on every forward.
+QKNORM_CHECK = "sglang.srt.models.utils.can_use_fused_inplace_qknorm"
 IMPLEMENTATIONS = ("plugin", "builtin")
 # Hook targets were read in these SGLang releases; anything else keeps the built-in.
 SUPPORTED_SGLANG = ("0.5.17",)
@@ -64,6 +66,7 @@ def register() -> None:
     impl = selected_implementation()
     if os.environ.get(FP32_NORM_ENV) == "1":
         HookRegistry.register(RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
+        HookRegistry.register(QKNORM_CHECK, fp32_qknorm_hook, HookType.AROUND)
     found = sglang_version()
     if impl == "plugin" and found not in SUPPORTED_SGLANG:
         logger.warning(
@@ -87,6 +90,13 @@ def fp32_rmsnorm_hook(original, self, x, *args, **kwargs):
     if x.dtype == torch.float32:
         return self.forward_native(x, *args, **kwargs)
     return original(self, x, *args, **kwargs)
+
+
+def fp32_qknorm_hook(original, head_dim, dtype):
+    """Float32 q/k norms take the torch path; SGLang's cache does not remember a failed JIT build."""
+    import torch
+
+    return False if dtype == torch.float32 else original(head_dim, dtype)
 
 
 def stop_before_length_hook(original, req, new_accepted_len: int = 1):

@@ -144,6 +144,21 @@ def test_version_gate_keeps_builtin_on_untested_sglang(monkeypatch):
                           integration.UPDATE_FINISH_STATE]
 
 
+def test_fp32_switch_keeps_float32_norms_off_the_cuda_kernels(monkeypatch):
+    import torch
+    from sglang.srt.plugins import hook_registry
+
+    registered = []
+    monkeypatch.setattr(hook_registry.HookRegistry, "register", lambda *a, **k: registered.append(a[0]))
+    monkeypatch.setenv(integration.FP32_NORM_ENV, "1")
+    integration.register()
+    assert {integration.RMSNORM_CUDA, integration.QKNORM_CHECK} <= set(registered)
+    calls = []
+    jit_check = lambda head_dim, dtype: calls.append(dtype) or True  # noqa: E731
+    assert integration.fp32_qknorm_hook(jit_check, 64, torch.float32) is False
+    assert integration.fp32_qknorm_hook(jit_check, 64, torch.bfloat16) is True
+    assert calls == [torch.bfloat16]  # no JIT build is attempted for float32
+
 
 STOP_IN_A_MULTI_TOKEN_STEP = """
     from array import array
