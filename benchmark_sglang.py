@@ -463,6 +463,9 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--concurrencies", default="1,8,32")
+    ap.add_argument("--waves", type=int, default=0,
+                    help="at least this many full waves per level: max(num_prompts, waves x concurrency) "
+                         "requests, the prompts repeated in order (a level shorter than a few waves is all tail)")
     ap.add_argument("--block-sizes", default="", help="comma list; empty: the draft's own block size")
     ap.add_argument("--attention-backend")
     ap.add_argument("--tp-size", type=int)
@@ -500,6 +503,8 @@ def parse_args(argv=None):
         ap.error("--concurrencies must be >= 1")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         ap.error("--num-prompts and --max-new-tokens must be >= 1")
+    if args.waves < 0:
+        ap.error("--waves must be >= 0")
     if args.skip_launch and len(args.impls) != 1:
         ap.error("--skip-launch measures one running server: name exactly one --impls")
     return args
@@ -540,6 +545,12 @@ def server_info(url: str) -> dict:
     return {k: v for k, v in states[0].items() if isinstance(v, (int, float, str)) or v is None}
 
 
+def level_workload(payloads: list[dict], concurrency: int, waves: int) -> list[dict]:
+    """The prompts, repeated in order until ``waves`` full waves of ``concurrency`` are reached."""
+    n = max(len(payloads), waves * concurrency)
+    return [payloads[i % len(payloads)] for i in range(n)] if payloads else []
+
+
 def measure(url: str, label: str, impl: str, datasets: dict, args) -> list[dict]:
     rows = []
     for dataset, payloads in datasets.items():
@@ -550,7 +561,8 @@ def measure(url: str, label: str, impl: str, datasets: dict, args) -> list[dict]
                 pass
             warm = payloads[:conc]
             run_requests(url, warm, conc, desc=f"{label} {dataset} c{conc} warm-up")
-            results, wall = run_requests(url, payloads, conc, desc=f"{label} {dataset} c{conc}")
+            work = level_workload(payloads, conc, args.waves)
+            results, wall = run_requests(url, work, conc, desc=f"{label} {dataset} c{conc}")
             row = {"impl": impl, "label": label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
             row["server_after"] = server_info(url)
             row["kv_after"] = kv_loads(url)

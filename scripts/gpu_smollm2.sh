@@ -22,7 +22,7 @@ flags="--attention-backend triton --grammar-backend none --disable-piecewise-cud
 bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS
     python3 benchmark_sglang.py --model-path $target --draft-model-path $2 --impls $1 \
         --datasets gsm8k,humaneval,mt-bench --data-dir $data --num-prompts $5 --max-new-tokens 256 \
-        --concurrencies $4 --server-args "$flags" --output-dir "$out/$3" --log-dir /tmp/bench-logs \
+        --concurrencies $4 --waves ${WAVES:-4} --server-args "$flags" --output-dir "$out/$3" --log-dir /tmp/bench-logs \
         --summary "$out/$3/summary.json"
 }
 gpu_model $target

@@ -62,6 +62,7 @@ def test_parse_args_defaults_and_lists():
     (["--impls", "ar", "--concurrencies", "1,x"], "comma-separated integers"),
     (["--impls", "ar", "--concurrencies", "0"], "--concurrencies must be >= 1"),
     (["--impls", "ar,ngram", "--skip-launch"], "name exactly one --impls"),
+    (["--impls", "ar", "--waves", "-1"], "--waves must be >= 0"),
 ])
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -158,6 +159,14 @@ def test_skip_launch_against_a_running_server(tmp_path, chat_model, data_dir):
     assert rc == 1  # injected request failures make the run fail
     assert [r["concurrency"] for r in rows] == [1, 4]
     assert all(3.0 <= r["accept_length"] <= 4.0 and r["errors"] >= 1 for r in rows)
+
+
+def test_waves_repeat_prompts_until_each_level_has_enough_requests():
+    prompts = [{"text": str(i)} for i in range(5)]
+    assert bench.level_workload(prompts, 1, 3) == prompts  # never fewer than the prompts
+    work = bench.level_workload(prompts, 4, 3)
+    assert [p["text"] for p in work] == [str(i % 5) for i in range(12)]
+    assert bench.level_workload([], 8, 2) == []
 
 
 def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_model, data_dir, monkeypatch):

@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The inputs are often views into SGLang's buffers, whose alignment varies from step to step:
+# one compiled variant serves all, so no step pays a Triton compile mid-serving.
+@triton.jit(do_not_specialize_on_alignment=["bonus_ptr", "prefix_lens_ptr", "req_pool_idx_ptr"])
 def _prepare_block_kernel(
     bonus_ptr, prefix_lens_ptr, req_pool_idx_ptr, req_to_token_ptr, req_to_token_stride,
     block_ids_ptr, positions_ptr, cache_loc_ptr, mask_token_id,
@@ -55,7 +57,7 @@ def prepare_block(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cand_ptr", "target_ptr", "prefix_lens_ptr"])
 def _accept_block_kernel(
     cand_ptr, target_ptr, prefix_lens_ptr,
     accept_len_ptr, commit_len_ptr, bonus_ptr, out_tokens_ptr, new_seq_lens_ptr,

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# One variant for every token count and positions view (Triton would specialise on 1 and on
+# multiples of 16): prefill lengths vary, and a compile mid-serving is a latency spike.
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["positions_ptr"])
 def _norm_rope_split_kernel(
     kv_ptr, positions_ptr, norm_w_ptr, cos_sin_ptr, k_out_ptr, v_out_ptr,
     num_tokens, kv_row_stride, cos_sin_stride, eps,
