@@ -18,11 +18,12 @@ import os
 import sys
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark_sglang import Server, ServerSpec, post_json, run_requests  # noqa: E402
+from benchmark_sglang import Server, ServerSpec, run_requests  # noqa: E402
 
 
 def load_trace(path: str) -> list[dict]:
@@ -95,8 +96,10 @@ def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
         stop = threading.Event()
         loader = keep_busy(server.url, payload, args.concurrency, stop)
         time.sleep(args.settle_s)  # batch full, caches warm
-        post_json(server.url + "/start_profile", {"output_dir": trace_dir, "num_steps": args.steps,
-                                                  "activities": ["CPU", "GPU"], "with_stack": True})
+        start = {"output_dir": trace_dir, "num_steps": args.steps, "activities": ["CPU", "GPU"], "with_stack": True}
+        req = urllib.request.Request(server.url + "/start_profile", data=json.dumps(start).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=600).read()  # answers plain text
         wait_for_trace(trace_dir)
         stop.set()
         loader.join(timeout=120)
