@@ -26,6 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark_sglang import Server, ServerSpec, run_requests  # noqa: E402
 
 
+SPEC_CODE = ("sglang_dflash/", "speculative/")
+
+
 def load_trace(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -33,7 +36,7 @@ def load_trace(path: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def summarize_trace(events: list[dict], steps: int, top: int = 40) -> dict:
+def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
     """Per-step host time by Python function (inclusive, scheduler thread) and GPU kernel totals."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in complete if e.get("cat") == "kernel"]
@@ -43,12 +46,19 @@ def summarize_trace(events: list[dict], steps: int, top: int = 40) -> dict:
     for e in python:
         per_thread[(e.get("pid"), e.get("tid"))] += e["dur"]
     main = max(per_thread, key=per_thread.get) if per_thread else None
-    by_function = defaultdict(float)
+    by_function, self_time = defaultdict(float), defaultdict(float)
     calls = defaultdict(int)
-    for e in python:
-        if (e.get("pid"), e.get("tid")) == main:
-            by_function[e["name"]] += e["dur"]
-            calls[e["name"]] += 1
+    stack: list[dict] = []  # open calls; a call's self time is its duration minus its children's
+    for e in sorted((e for e in python if (e.get("pid"), e.get("tid")) == main), key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+            stack.pop()
+        if stack:
+            self_time[stack[-1]["name"]] -= e["dur"]
+        stack.append(e)
+        by_function[e["name"]] += e["dur"]
+        self_time[e["name"]] += e["dur"]
+        calls[e["name"]] += 1
+    ours = lambda n: any(k in n for k in SPEC_CODE)  # noqa: E731
     kernel_time = defaultdict(float)
     for e in kernels:
         kernel_time[e["name"][:90]] += e["dur"]
@@ -62,6 +72,10 @@ def summarize_trace(events: list[dict], steps: int, top: int = 40) -> dict:
         "python_us_per_step": {n: per_step(t) for n, t in sorted(by_function.items(), key=lambda x: -x[1])[:top]},
         "python_calls_per_step": {n: round(calls[n] / steps, 2) for n, _ in
                                   sorted(by_function.items(), key=lambda x: -x[1])[:top]},
+        "python_self_us_per_step": {n: per_step(t) for n, t in sorted(self_time.items(), key=lambda x: -x[1])[:top]},
+        # every function of the speculative worker's own code, inclusive
+        "spec_code_us_per_step": {n: per_step(t) for n, t in sorted(by_function.items(), key=lambda x: -x[1])
+                                  if ours(n)},
         "kernels_us_per_step": {n: per_step(t) for n, t in sorted(kernel_time.items(), key=lambda x: -x[1])[:top]},
     }
 

@@ -242,7 +242,7 @@ def test_step_profile_summary_splits_host_and_gpu_time():
     ev = lambda name, cat, ts, dur, tid=1: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur,  # noqa: E731
                                             "pid": 0, "tid": tid}
     events = [
-        ev("worker.py(1): forward_batch_generation", "python_function", 0, 100),
+        ev("sglang_dflash/worker.py(1): forward_batch_generation", "python_function", 0, 100),
         ev("worker.py(2): draft_step", "python_function", 5, 40),
         ev("worker.py(2): draft_step", "python_function", 50, 40),
         ev("other thread", "python_function", 0, 10, tid=2),
@@ -251,7 +251,11 @@ def test_step_profile_summary_splits_host_and_gpu_time():
         {"ph": "i", "name": "marker", "ts": 1},
     ]
     s = summarize_trace(events, steps=2)
-    assert s["python_us_per_step"] == {"worker.py(1): forward_batch_generation": 50.0, "worker.py(2): draft_step": 40.0}
+    assert s["python_us_per_step"] == {"sglang_dflash/worker.py(1): forward_batch_generation": 50.0,
+                                       "worker.py(2): draft_step": 40.0}
+    assert s["spec_code_us_per_step"] == {"sglang_dflash/worker.py(1): forward_batch_generation": 50.0}
     assert s["python_calls_per_step"]["worker.py(2): draft_step"] == 1.0
+    assert s["python_self_us_per_step"] == {"worker.py(2): draft_step": 40.0,
+                                            "sglang_dflash/worker.py(1): forward_batch_generation": 10.0}
     assert s["gpu_kernel_us_per_step"] == 20.0 and s["kernel_launches_per_step"] == 1.0
     assert s["kernels_us_per_step"] == {"attn_kernel": 15.0, "gemm": 5.0} and s["trace_span_us_per_step"] == 50.0
