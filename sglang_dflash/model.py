@@ -231,6 +231,7 @@ class DFlashDraftModel(nn.Module):
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._stacked_kv = None  # a copy of K/V rows: rebuilt from the new weights at first use
         params = dict(self.named_parameters())
         unloaded = set(params)
         for raw_name, tensor in weights:
