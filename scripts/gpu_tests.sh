@@ -6,8 +6,8 @@
 #   bash scripts/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
 #   DFLASH_LOAD_SECONDS=300 bash scripts/gpu_tests.sh reliability    # odd requests, 1000 with aborts, c64 load
 #   DFLASH_TP_SIZE=2 bash scripts/gpu_tests.sh "float32 and greedy" # on nvidia-h200-x2
-#   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smollm2-dflash-b16 bash scripts/gpu_tests.sh "bfloat16 and greedy"
-#                                                                   # bf16 rule on a real pair (after gpu_smollm2.sh)
+#   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=$PWD/results/smollm2-draft bash scripts/gpu_tests.sh "bfloat16 and greedy"
+#                                # bf16 rule on a real pair, held-out chat prompts (carry .bench-eval)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_setup.sh
