@@ -64,18 +64,17 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
         kernel_time[e["name"][:90]] += e["dur"]
     span = (max(e["ts"] + e["dur"] for e in complete) - min(e["ts"] for e in complete)) if complete else 0.0
     per_step = lambda us: round(us / steps, 1)  # noqa: E731
+    ranked = sorted(by_function.items(), key=lambda x: -x[1])
     return {
         "steps": steps,
         "trace_span_us_per_step": per_step(span),
         "gpu_kernel_us_per_step": per_step(sum(e["dur"] for e in kernels)),
         "kernel_launches_per_step": round(len(kernels) / steps, 1),
-        "python_us_per_step": {n: per_step(t) for n, t in sorted(by_function.items(), key=lambda x: -x[1])[:top]},
-        "python_calls_per_step": {n: round(calls[n] / steps, 2) for n, _ in
-                                  sorted(by_function.items(), key=lambda x: -x[1])[:top]},
+        "python_us_per_step": {n: per_step(t) for n, t in ranked[:top]},
+        "python_calls_per_step": {n: round(calls[n] / steps, 2) for n, _ in ranked[:top]},
         "python_self_us_per_step": {n: per_step(t) for n, t in sorted(self_time.items(), key=lambda x: -x[1])[:top]},
         # every function of the speculative worker's own code, inclusive
-        "spec_code_us_per_step": {n: per_step(t) for n, t in sorted(by_function.items(), key=lambda x: -x[1])
-                                  if ours(n)},
+        "spec_code_us_per_step": {n: per_step(t) for n, t in ranked if ours(n)},
         "kernels_us_per_step": {n: per_step(t) for n, t in sorted(kernel_time.items(), key=lambda x: -x[1])[:top]},
     }
 

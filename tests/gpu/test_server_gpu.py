@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmark_sglang import Server, ServerSpec, kv_loads, post_json, run_requests
-from lossless_rules import chat_prompt_ids, gap_to_best
+from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,21 +69,21 @@ CHAT_SETS = [("gsm8k", 120), ("humaneval", 50), ("mt-bench", 30)]
 
 
 @lru_cache(maxsize=None)
-def chat_texts():
+def chat_ids(seed):
+    """The chat prompts of CHAT_SETS, templated for the target, in a seeded order (loaded once per seed)."""
     from scripts.fetch_datasets import load_dataset_prompts
+    from transformers import AutoTokenizer
 
     data_dir = os.environ.get("DFLASH_DATA_DIR") or os.path.join(ROOT, ".bench-eval")
-    return tuple(t for name, n in CHAT_SETS for t in load_dataset_prompts(name, data_dir, n))
+    texts = [t for name, n in CHAT_SETS for t in load_dataset_prompts(name, data_dir, n)]
+    return chat_prompt_ids(AutoTokenizer.from_pretrained(tiny_pair()[0]), texts, seed)
 
 
 def prompts(n, vocab, seed=0):
     """Random token ids for the tiny pair; chat prompts for a real pair (random ids give it flat,
     tie-ridden distributions on which no near-tie rule decides anything)."""
     if os.environ.get("DFLASH_TARGET"):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tiny_pair()[0])
-        ids = chat_prompt_ids(tokenizer, chat_texts(), seed)
+        ids = chat_ids(seed)
         return [ids[i % len(ids)] for i in range(n)]
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(n)]
@@ -190,7 +190,7 @@ def against_ar(dtype):
                         row["margin_nats"], row["top"] = probe_margin(ar.url, req["input_ids"], b[:d], k=5)
                         # excused when AR could have chosen the speculative token: a 3-way bf16 tie counts
                         row["spec_gap_nats"] = gap_to_best(row["top"], a[d])
-                        row["near_tie"] = row["spec_gap_nats"] <= near_tie
+                        row["near_tie"] = is_near_tie(row["top"], a[d], near_tie)
                     else:  # one stopped where the other went on: decided by the token before
                         row["near_tie"] = False
                     rows.append(row)
