@@ -68,6 +68,37 @@ class Accepted:
     new_seq_lens: torch.Tensor  # [bs]
 
 
+class StepBuffers:
+    """The per-step tensors, allocated once instead of eight ``torch.empty`` calls per step.
+
+    Two sets alternate: with the overlap schedule the host may still copy step N's results
+    while step N+1 is launched; step N+2 starts only after step N's results are processed.
+    """
+
+    def __init__(self, block_size: int, device):
+        self.block_size, self.device = block_size, device
+        self.sets: list[Optional[dict]] = [None, None]
+        self.turn = 0
+
+    def take(self, bs: int, seq_dtype: torch.dtype) -> dict:
+        self.turn ^= 1
+        bufs = self.sets[self.turn]
+        if bufs is None or bufs["cap"] < bs or bufs["new_seq_lens"].dtype != seq_dtype:
+            bufs = self.sets[self.turn] = self._allocate(max(bs, 2 * (bufs or {"cap": 8})["cap"]), seq_dtype)
+        return {k: v[:bs] for k, v in bufs.items() if k != "cap"}
+
+    def _allocate(self, cap: int, seq_dtype: torch.dtype) -> dict:
+        B, dev = self.block_size, self.device
+        block = lambda: torch.empty((cap, B), dtype=torch.int64, device=dev)  # noqa: E731
+        return {
+            "cap": cap, "block_ids": block(), "positions": block(), "cache_loc": block(), "candidates": block(),
+            "out_tokens": block(), "bonus": torch.empty(cap, dtype=torch.int64, device=dev),
+            "accept_len": torch.empty(cap, dtype=torch.int32, device=dev),
+            "commit_len": torch.empty(cap, dtype=torch.int32, device=dev),
+            "new_seq_lens": torch.empty(cap, dtype=seq_dtype, device=dev),
+        }
+
+
 class GreedyDraftHead:
     """argmax of the target lm_head over block slots 1..B-1, folded into the draft CUDA graph.
 
@@ -130,6 +161,7 @@ class DFlashWorker(BaseSpecWorker):
         self.config = self.draft_model.dflash_config.with_block_size(self.block_size).resolve_for_target(target)
         self.mask_token_id = self._resolve_mask_token_id()
         self.draft_head: Optional[GreedyDraftHead] = None  # set with the CUDA graphs
+        self.buffers = StepBuffers(self.block_size, self.device)
         self.head_in_graph = False
         if ps.tp_rank == 0:
             logger.info(
@@ -202,7 +234,8 @@ class DFlashWorker(BaseSpecWorker):
             return self._idle_result(on_publish)
 
         batch.seq_lens.record_stream(torch.cuda.current_stream())  # may come from the FutureMap stream
-        block = self.draft_step(batch)
+        bufs = self.buffers.take(len(batch.seq_lens), batch.seq_lens.dtype)
+        block = self.draft_step(batch, bufs)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
         logits_output, can_run_graph = self.verify_step(batch, block)
         if grammar_tree is not None:
@@ -212,7 +245,7 @@ class DFlashWorker(BaseSpecWorker):
             )
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
-        accepted = self.accept_step(batch, block, logits_output.next_token_logits)
+        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs)
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
@@ -247,12 +280,10 @@ class DFlashWorker(BaseSpecWorker):
         result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
 
-    def draft_step(self, batch) -> DraftBlock:
+    def draft_step(self, batch, bufs: dict) -> DraftBlock:
         """One parallel draft pass over ``[bonus, mask...]``; returns the B verify candidates."""
         bs, B = len(batch.seq_lens), self.block_size
-        block_ids = torch.empty((bs, B), dtype=torch.int64, device=self.device)
-        positions = torch.empty((bs, B), dtype=torch.int64, device=self.device)
-        cache_loc = torch.empty((bs, B), dtype=torch.int64, device=self.device)
+        block_ids, positions, cache_loc = bufs["block_ids"], bufs["positions"], bufs["cache_loc"]
         prepare_block(
             batch.spec_info.bonus_tokens, batch.seq_lens, batch.req_pool_indices,
             self.model_runner.req_to_token_pool.req_to_token, self.mask_token_id, block_ids, positions, cache_loc,
@@ -283,8 +314,9 @@ class DFlashWorker(BaseSpecWorker):
             drafts = self.draft_head.out[: bs * (B - 1)]
         else:
             drafts = self.draft_head(out.logits_output.hidden_states)
-        candidates = block_ids.clone()
-        candidates[:, 1:] = drafts.view(bs, B - 1)
+        candidates = bufs["candidates"]
+        candidates[:, :1].copy_(block_ids[:, :1])
+        candidates[:, 1:].copy_(drafts.view(bs, B - 1))
         return DraftBlock(candidates, positions.view(-1), cache_loc, seq_lens_cpu)
 
     def _host_seq_lens_bound(self, batch) -> torch.Tensor:
@@ -312,7 +344,7 @@ class DFlashWorker(BaseSpecWorker):
         )
         return out.logits_output, out.can_run_cuda_graph
 
-    def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor) -> Accepted:
+    def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict) -> Accepted:
         """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft)."""
         bs, B = block.candidates.shape
         info = batch.sampling_info
@@ -323,13 +355,7 @@ class DFlashWorker(BaseSpecWorker):
         else:
             target_tokens = sample_per_position(logits, info, B)
         target_tokens = target_tokens.view(bs, B).to(torch.int64)
-        acc = Accepted(
-            accept_len=torch.empty(bs, dtype=torch.int32, device=self.device),
-            commit_len=torch.empty(bs, dtype=torch.int32, device=self.device),
-            bonus=torch.empty(bs, dtype=torch.int64, device=self.device),
-            out_tokens=torch.empty((bs, B), dtype=torch.int64, device=self.device),
-            new_seq_lens=torch.empty(bs, dtype=batch.seq_lens.dtype, device=self.device),
-        )
+        acc = Accepted(**{k: bufs[k] for k in ("accept_len", "commit_len", "bonus", "out_tokens", "new_seq_lens")})
         accept_block(
             block.candidates, target_tokens, batch.seq_lens,
             acc.accept_len, acc.commit_len, acc.bonus, acc.out_tokens, acc.new_seq_lens,
