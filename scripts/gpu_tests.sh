@@ -6,6 +6,8 @@
 #   bash scripts/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
 #   DFLASH_LOAD_SECONDS=300 bash scripts/gpu_tests.sh reliability    # odd requests, 1000 with aborts, c64 load
 #   DFLASH_TP_SIZE=2 bash scripts/gpu_tests.sh "float32 and greedy" # on nvidia-h200-x2
+#   bash scripts/gpu_tests.sh "hybrid and not builtin"              # Qwen3.5 hybrid target, draft window
+#   bash scripts/gpu_tests.sh "hybrid and builtin"                  # the built-in on the checkpoint test
 #   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=$PWD/results/smollm2-draft bash scripts/gpu_tests.sh "bfloat16 and greedy"
 #                                # bf16 rule on a real pair, held-out chat prompts (carry .bench-eval)
 set -uo pipefail

@@ -1,12 +1,16 @@
 """Write a tiny random Qwen3 target and a DFlash draft (z-lab layout) for GPU tests.
 
-    python scripts/make_tiny_pair.py OUT [--draft zero|random] [--block-size 16]
+    python scripts/make_tiny_pair.py OUT [--draft zero|random] [--block-size 16] [--target-arch qwen3_5]
 
 The target has one "magnet" token: its final norm amplifies one hidden coordinate that only
 the magnet's lm_head row reads, so greedy decoding emits it in runs of varying length. A
 ``zero`` draft (final norm weight 0) always proposes token 0 = the magnet, which gives the
 server partial acceptance of every length: the multi-token commit, KV and stop bookkeeping
 all get exercised while the output stays the target's own. ``random`` is an untrained draft.
+
+``--target-arch qwen3_5`` writes a hybrid target instead: Qwen3.5 (``Qwen3_5ForConditionalGeneration``,
+a one-block vision tower, and a processor), whose layers are three gated-delta-net (linear
+attention) layers to one full-attention layer; ``qwen3_next`` writes the Qwen3-Next MoE hybrid.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 SPECIALS = ["<|magnet|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # magnet = id 0
+VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # Qwen3.5's processor
 
 
 def train_tokenizer(out_dirs, vocab_size):
@@ -31,7 +36,8 @@ def train_tokenizer(out_dirs, vocab_size):
     tok.decoder = decoders.ByteLevel()
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:150]
     tok.train(files, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=vocab_size, special_tokens=SPECIALS + VISION_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -40,6 +46,51 @@ def train_tokenizer(out_dirs, vocab_size):
     for d in out_dirs:
         fast.save_pretrained(d)
     return fast
+
+
+def hybrid_target(arch, vocab, eos_id, H, layers):
+    """A random Qwen3.5 / Qwen3-Next target: every fourth layer full attention, the rest gated delta net."""
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    text = dict(
+        vocab_size=vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
+        layer_types=layer_types, max_position_embeddings=16384, tie_word_embeddings=False, eos_token_id=eos_id,
+    )
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(**text, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=H,
+                              shared_expert_intermediate_size=H, rope_theta=1e6, partial_rotary_factor=0.25)
+        model = Qwen3NextForCausalLM(cfg)
+        return model, cfg, model.model.norm
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    # 16 rotary dims (head_dim 64 x 0.25): the three M-RoPE sections cover its 8 frequencies
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                               "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=H,
+                  num_position_embeddings=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    model = Qwen3_5ForConditionalGeneration(cfg)
+    return model, cfg.text_config, model.model.language_model.norm
+
+
+def save_hybrid_extras(target_dir, arch, tok, cfg_path):
+    """Qwen3.5's vision token ids point into this vocabulary; SGLang loads its processor too."""
+    if arch != "qwen3_5":
+        return
+    from transformers import Qwen2VLImageProcessorFast, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    ids = dict(zip(VISION_SPECIALS, tok.convert_tokens_to_ids(VISION_SPECIALS)))
+    raw.update(vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f, indent=1)
+    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorFast(), tokenizer=tok,
+                     video_processor=Qwen3VLVideoProcessor(), chat_template=tok.chat_template).save_pretrained(target_dir)
 
 
 def main():
@@ -53,6 +104,9 @@ def main():
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--magnet", type=float, default=3.0, help="strength of the magnet token (0: off)")
     ap.add_argument("--logit-scale", type=float, default=8.0, help="lm_head gain: peaky logits, few near-ties")
+    ap.add_argument("--target-arch", choices=["qwen3", "qwen3_5", "qwen3_next"], default="qwen3")
+    ap.add_argument("--draft-sliding-window", type=int, default=0,
+                    help="make the first draft layer a sliding_attention layer with this window (0: all full)")
     args = ap.parse_args()
     target_dir, draft_dir = os.path.join(args.out, "target"), os.path.join(args.out, "draft")
     os.makedirs(target_dir, exist_ok=True)
@@ -64,29 +118,38 @@ def main():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     H, heads, kv, hd = args.hidden, 8, 4, 64
-    cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=args.layers,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=16384,
-        rope_theta=1e6, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-    )
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(cfg).float()
+    if args.target_arch == "qwen3":
+        cfg = Qwen3Config(
+            vocab_size=vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=args.layers,
+            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=16384,
+            rope_theta=1e6, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+        )
+        target = Qwen3ForCausalLM(cfg)
+        final_norm, norm_offset = target.model.norm, 0.0
+    else:  # the hybrids' RMSNorm scales by (1 + weight)
+        target, cfg, final_norm = hybrid_target(args.target_arch, vocab, tok.eos_token_id, H, args.layers)
+        norm_offset = 1.0
+    target = target.float()
     with torch.no_grad():
         target.lm_head.weight.mul_(args.logit_scale)
         if args.magnet:
             j = H - 1
-            target.model.norm.weight[j] = args.magnet * 8
+            final_norm.weight[j] = args.magnet * 8 - norm_offset
             target.lm_head.weight[:, j] = 0
             target.lm_head.weight[0, j] = args.logit_scale
     target.save_pretrained(target_dir, safe_serialization=True)
+    save_hybrid_extras(target_dir, args.target_arch, tok, os.path.join(target_dir, "config.json"))
 
     taps = sorted({1, args.layers // 2 - 1, args.layers // 2 + 1, args.layers - 2})
-    dcfg = cfg.to_dict()
-    for k in ("layer_types", "max_window_layers", "use_sliding_window", "sliding_window"):
-        dcfg.pop(k, None)
+    dcfg = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "rms_norm_eps",
+                                          "max_position_embeddings", "eos_token_id")}
     dcfg.update(
-        architectures=["DFlashDraftModel"], num_hidden_layers=args.draft_layers, num_target_layers=args.layers,
+        model_type="qwen3", num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rope_theta=1e6,
+        hidden_act="silu", tie_word_embeddings=False, architectures=["DFlashDraftModel"], num_hidden_layers=args.draft_layers, num_target_layers=args.layers,
         block_size=args.block_size,
+        **({"layer_types": ["sliding_attention"] + ["full_attention"] * (args.draft_layers - 1),
+            "sliding_window": args.draft_sliding_window} if args.draft_sliding_window else {}),
         dflash_config={"target_layer_ids": taps, "mask_token_id": mask_id, "block_size": args.block_size},
     )
     with open(os.path.join(draft_dir, "config.json"), "w") as f:

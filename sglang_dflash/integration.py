@@ -186,10 +186,6 @@ def validate_server_args(server_args):
         raise DFlashConfigError("--pp-size", f"DFLASH needs pp_size 1, got {server_args.pp_size}")
     if getattr(server_args, "enable_dp_attention", False):
         raise DFlashConfigError("--enable-dp-attention", "DFLASH does not support DP attention")
-    if getattr(server_args, "speculative_draft_window_size", None) is not None:
-        raise DFlashConfigError(
-            "--speculative-draft-window-size", f"not supported by the plugin yet (use {IMPL_ENV}=builtin)"
-        )
     if server_args.speculative_draft_model_path is None:
         raise DFlashConfigError("--speculative-draft-model-path", "required with --speculative-algorithm DFLASH")
     draft_path = local_checkpoint(server_args.speculative_draft_model_path, "--speculative-draft-model-path",
@@ -203,9 +199,11 @@ def validate_server_args(server_args):
     if not os.path.isfile(os.path.join(target_path, "config.json")):
         raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json")
     target = TargetInfo.from_pretrained(target_path, context_length=server_args.context_length)
-    if target.hybrid:
+    config = load_and_validate(draft_path, target, block_size=block)
+    window = getattr(server_args, "speculative_draft_window_size", None)
+    if window is not None and not (isinstance(window, int) and window >= config.block_size):
         raise DFlashConfigError(
-            "--model-path", f"hybrid (linear-attention / mamba) targets are not supported by the plugin yet "
-            f"(use {IMPL_ENV}=builtin)"
+            "--speculative-draft-window-size",
+            f"must be an integer >= the block size {config.block_size} (the draft sees at least one block), got {window!r}",
         )
-    return load_and_validate(draft_path, target, block_size=block)
+    return config

@@ -13,6 +13,13 @@ and one pending token (the previous step's bonus):
 4. :meth:`DFlashWorker.commit_context`: draft K/V for the ``accept + 1`` committed positions,
    from the verify's hidden states. Rejected rows are never written.
 
+Hybrid targets (gated delta net / mamba layers): the verify leaves the recurrent state of every
+block step aside; :meth:`DFlashWorker.commit_recurrent_state` keeps the last committed step's and,
+with the radix cache's ``extra_buffer`` strategy, snapshots the step at a crossed track boundary.
+
+``--speculative-draft-window-size W``: the draft attends to the last W committed positions only,
+through a request table of its own (:class:`DraftWindow`); the target still sees everything.
+
 KV slots: the scheduler reserves ``committed + 2B`` slots per request ahead of each step
 (``DFlashDraftInputV2.prepare_for_decode``); target and draft KV share that index space, and the
 next step overwrites any rejected tail, so nothing is freed or leaked per step.
@@ -33,6 +40,7 @@ from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_gather
 from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.runtime_context import get_exec
@@ -41,7 +49,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker, make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from .config import DFlashConfigError, TargetInfo
 from .ops import accept_block, prepare_block
@@ -99,6 +107,42 @@ class StepBuffers:
         }
 
 
+def mamba_track_steps(seq_lens: torch.Tensor, commit_len: torch.Tensor, interval: int) -> torch.Tensor:
+    """Per request, the verify step whose recurrent state is the checkpoint at a track boundary
+    crossed by this step's commit, else -1.
+
+    Step i leaves the state after ``seq_len + i + 1`` tokens, so the boundary ``T`` is step
+    ``T - seq_len - 1``. The crossing is judged on the committed length, the one the scheduler
+    also uses to mark the checkpoint (comparing against the pre-verify length misses every
+    checkpoint: SGLang 0.5.17's built-in, upstream issue 37817).
+    """
+    new_lens = seq_lens.to(torch.int64) + commit_len.to(torch.int64)
+    boundary = new_lens // interval * interval
+    crossed = boundary > seq_lens
+    return torch.where(crossed, boundary - seq_lens - 1, torch.full_like(boundary, -1))
+
+
+class DraftWindow:
+    """``--speculative-draft-window-size``: the draft's request table holds, per request, the
+    slots of the last ``size`` committed positions followed by the block's, so the draft's
+    attention (and its CUDA graphs) never reach further back. K/V is still written for every
+    position: a radix-cache hit may later need any of them.
+    """
+
+    def __init__(self, size: int, block_size: int, shared_pool, device):
+        self.size, self.block_size = size, block_size
+        self.pool = ReqToTokenPool(size=shared_pool.size, max_context_len=size + block_size, device=device,
+                                   enable_memory_saver=False)
+        self.cols = torch.arange(size + block_size, device=device)
+
+    def fill(self, req_pool_indices, seq_lens, req_to_token) -> torch.Tensor:
+        """Rewrite this batch's rows; returns each request's attended context length."""
+        ctx_lens = torch.clamp(seq_lens, max=self.size)
+        cols = ((seq_lens - ctx_lens)[:, None] + self.cols).clamp_(max=req_to_token.shape[1] - 1)
+        self.pool.req_to_token[req_pool_indices] = req_to_token[req_pool_indices[:, None], cols]
+        return ctx_lens
+
+
 class GreedyDraftHead:
     """argmax of the target lm_head over block slots 1..B-1, folded into the draft CUDA graph.
 
@@ -143,10 +187,7 @@ class DFlashWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
         target_config = self.model_runner.model_config
-        if mambaish_config(target_config) is not None:
-            raise DFlashConfigError(
-                "--model-path", "hybrid (mamba / linear-attention) targets are not supported by sglang-dflash yet"
-            )
+        self.hybrid = mambaish_config(target_config) is not None
         bundle = build_draft_tp_worker(
             server_args=server_args, gpu_id=gpu_id, ps=replace(ps, pp_rank=0), nccl_port=nccl_port,
             target_model_config=target_config, algo_label="DFLASH",
@@ -161,6 +202,7 @@ class DFlashWorker(BaseSpecWorker):
         self.config = self.draft_model.dflash_config.with_block_size(self.block_size).resolve_for_target(target)
         self.mask_token_id = self._resolve_mask_token_id()
         self.draft_head: Optional[GreedyDraftHead] = None  # set with the CUDA graphs
+        self.window: Optional[DraftWindow] = None  # set with the memory pools
         self.buffers = StepBuffers(self.block_size, self.device)
         self.head_in_graph = False
         if ps.tp_rank == 0:
@@ -201,14 +243,23 @@ class DFlashWorker(BaseSpecWorker):
         return getattr(self._target_worker, name)
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
-        # The draft KV buffer is its own, but indexed by the target's slots and request table.
+        # The draft KV buffer is its own, but indexed by the target's slots and (without a draft
+        # window) the target's request table.
+        window = self.server_args.speculative_draft_window_size
+        if window is not None:
+            self.window = DraftWindow(int(window), self.block_size, req_to_token_pool, self.device)
         self._draft_worker.alloc_memory_pool(
             memory_pool_config=memory_pool_config,
-            req_to_token_pool=req_to_token_pool,
+            req_to_token_pool=self.window.pool if self.window else req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
         )
 
     def init_attention_backends(self):
+        if self.hybrid and not hasattr(self.model_runner.attn_backend, "update_mamba_state_after_mtp_verify"):
+            raise DFlashConfigError(
+                "--model-path", f"hybrid target whose attention backend "
+                f"({type(self.model_runner.attn_backend).__name__}) cannot commit a verified recurrent state"
+            )
         self._draft_worker.init_attention_backends()
 
     def init_cuda_graphs(self):
@@ -246,6 +297,8 @@ class DFlashWorker(BaseSpecWorker):
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
         accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs)
+        if self.hybrid:
+            self.commit_recurrent_state(batch, accepted)
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
@@ -290,15 +343,21 @@ class DFlashWorker(BaseSpecWorker):
         )
         embeds = self.model_runner.model.get_input_embeddings()(block_ids).view(bs * B, -1)
         seq_lens_cpu = self._host_seq_lens_bound(batch)
+        draft_seq_lens, draft_seq_lens_cpu = batch.seq_lens, seq_lens_cpu
+        if self.window is not None:
+            draft_seq_lens = self.window.fill(
+                batch.req_pool_indices, batch.seq_lens, self.model_runner.req_to_token_pool.req_to_token
+            )
+            draft_seq_lens_cpu = torch.clamp(seq_lens_cpu - B, max=self.window.size) + B
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
             input_ids=block_ids.view(-1),
             req_pool_indices=batch.req_pool_indices,
-            seq_lens=batch.seq_lens,
+            seq_lens=draft_seq_lens,
             out_cache_loc=cache_loc.view(-1),
-            seq_lens_sum=int(seq_lens_cpu.sum()),
-            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=int(draft_seq_lens_cpu.sum()),
+            seq_lens_cpu=draft_seq_lens_cpu,
             positions=positions.view(-1),
             input_embeds=embeds,
             spec_algorithm=SpeculativeAlgorithm.DFLASH,
@@ -335,6 +394,8 @@ class DFlashWorker(BaseSpecWorker):
             draft_token_num=self.block_size, capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         batch.out_cache_loc = block.cache_loc.view(-1)
+        if self.hybrid:  # the track slots, as the scheduler holds them now (filter/merge drop them)
+            prepare_mamba_track_for_verify(batch)
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, self._target_worker)
@@ -361,6 +422,20 @@ class DFlashWorker(BaseSpecWorker):
             acc.accept_len, acc.commit_len, acc.bonus, acc.out_tokens, acc.new_seq_lens,
         )
         return acc
+
+    def commit_recurrent_state(self, batch, accepted: Accepted) -> None:
+        """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
+        committed step's, and copy a crossed track boundary's into the radix cache's track slot."""
+        steps_to_track = None
+        if batch.mamba_track_indices is not None:
+            steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, get_exec().mamba.mamba_track_interval)
+        self.model_runner.attn_backend.update_mamba_state_after_mtp_verify(
+            last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
+            mamba_track_indices=batch.mamba_track_indices,
+            mamba_steps_to_track=steps_to_track,
+            model=self.model_runner.model,
+            req_pool_indices=batch.req_pool_indices[: accepted.commit_len.shape[0]],
+        )
 
     @staticmethod
     def _apply_logit_adjustments(logits: torch.Tensor, info, bs: int) -> None:

@@ -92,7 +92,7 @@ def test_args_hook_validates_then_defers_to_sglang(tmp_path):
         (dict(speculative_draft_model_path="/no/such/draft"), "'/no/such/draft' is not a directory"),
         (dict(context_length=8), "block_size: 16 exceeds the context length 8"),
         (dict(enable_dp_attention=True), "--enable-dp-attention"),
-        (dict(speculative_draft_window_size=512), "--speculative-draft-window-size: not supported"),
+        (dict(speculative_draft_window_size=8), "--speculative-draft-window-size: must be an integer >= the block size 16"),
     ],
 )
 def test_args_hook_exits_with_one_clear_line(tmp_path, overrides, message):
@@ -102,10 +102,12 @@ def test_args_hook_exits_with_one_clear_line(tmp_path, overrides, message):
     assert "\n" not in str(e.value)
 
 
-def test_hybrid_target_is_refused_at_start(tmp_path):
+def test_hybrid_target_and_draft_window_pass_the_start_checks(tmp_path):
     target = write_target(str(tmp_path / "t"), layer_types=["linear_attention", "full_attention"] * 4)
-    with pytest.raises(SystemExit, match="--model-path: hybrid"):
-        integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path, model_path=target))
+    args = server_args(tmp_path, model_path=target, speculative_draft_window_size=1024)
+    seen = []
+    integration.handle_dflash_args_hook(seen.append, args)
+    assert seen == [args]
 
 
 def test_hooked_sglang_arg_policy_rejects_bad_draft(tmp_path):
