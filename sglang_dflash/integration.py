@@ -33,6 +33,7 @@ IMPL_ENV = "SGLANG_DFLASH_IMPL"
 # ``--dtype float32`` servers (AR included) fail without it.
 FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"
 RMSNORM_CUDA = "sglang.srt.layers.layernorm.RMSNorm.forward_cuda"
+GEMMA_RMSNORM_CUDA = "sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda"  # Qwen3.5 / Qwen3-Next
 # Its JIT kernel has no float32 build either, and a failed build is retried on every forward.
 QKNORM_CHECK = "sglang.srt.models.utils.can_use_fused_inplace_qknorm"
 IMPLEMENTATIONS = ("plugin", "builtin")
@@ -66,6 +67,7 @@ def register() -> None:
     impl = selected_implementation()
     if os.environ.get(FP32_NORM_ENV) == "1":
         HookRegistry.register(RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
+        HookRegistry.register(GEMMA_RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
         HookRegistry.register(QKNORM_CHECK, fp32_qknorm_hook, HookType.AROUND)
     found = sglang_version()
     if impl == "plugin" and found not in SUPPORTED_SGLANG:

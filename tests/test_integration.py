@@ -154,7 +154,7 @@ def test_fp32_switch_keeps_float32_norms_off_the_cuda_kernels(monkeypatch):
     monkeypatch.setattr(hook_registry.HookRegistry, "register", lambda *a, **k: registered.append(a[0]))
     monkeypatch.setenv(integration.FP32_NORM_ENV, "1")
     integration.register()
-    assert {integration.RMSNORM_CUDA, integration.QKNORM_CHECK} <= set(registered)
+    assert {integration.RMSNORM_CUDA, integration.GEMMA_RMSNORM_CUDA, integration.QKNORM_CHECK} <= set(registered)
     calls = []
     jit_check = lambda head_dim, dtype: calls.append(dtype) or True  # noqa: E731
     assert integration.fp32_qknorm_hook(jit_check, 64, torch.float32) is False

@@ -56,8 +56,21 @@ def follow_ups(short, outputs):
     return work
 
 
-@lru_cache(maxsize=None)
+FAILED_STARTS = {}  # a server that failed to start is not started again by the next test
+
+
 def collect(name):
+    if name in FAILED_STARTS:
+        raise FAILED_STARTS[name]
+    try:
+        return _collect(name)
+    except Exception as e:
+        FAILED_STARTS[name] = e
+        raise
+
+
+@lru_cache(maxsize=None)
+def _collect(name):
     impl, extra = RUNS.get(name, ("ar", ()))
     target, draft = hybrid_pair()
     spec = ServerSpec(impl, target, draft if impl != "ar" else None, 16 if impl != "ar" else None,
