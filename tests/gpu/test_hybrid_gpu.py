@@ -23,8 +23,9 @@ INTERVAL = 32  # --mamba-track-interval: a checkpoint every 32 tokens (>= 2 bloc
 WINDOW = 1024  # --speculative-draft-window-size, far below the long prompts
 LONG_PROMPTS = (8448, 9000)
 FLAGS = ["--dtype", "float32", "--cuda-graph-max-bs", "8", "--mamba-radix-cache-strategy", "extra_buffer",
-         "--mamba-track-interval", str(INTERVAL)]
-FP32_ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
+         "--mamba-track-interval", str(INTERVAL), "--mamba-ssm-dtype", "float32"]
+# The conv state defaults to bf16, which the conv kernel cannot mix with float32 activations.
+FP32_ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee", "SGLANG_MAMBA_CONV_DTYPE": "float32"}
 RUNS = {"plugin": ("plugin", ()), "plugin_window": ("plugin", ("--speculative-draft-window-size", str(WINDOW))),
         "builtin": ("builtin", ())}
 
