@@ -1,10 +1,13 @@
 """GPU: a hybrid target (Qwen3.5: gated delta net + full attention) and the draft context window.
 
-    bash scripts/gpu_tests.sh hybrid          # AR, plugin, plugin with a draft window, built-in
+    bash scripts/gpu_tests.sh hybrid                           # plugin, plugin + draft window, AR
+    DFLASH_HYBRID_RUNS=builtin bash scripts/gpu_tests.sh hybrid  # the built-in on the same tests
 
 Every server runs the same random Qwen3.5 target (``make_tiny_pair.py --target-arch qwen3_5``)
-in float32 with the radix cache and ``--mamba-radix-cache-strategy extra_buffer``; the draft has a
-sliding-window layer and a full layer. Divergences from AR are counted exactly (float32).
+with the radix cache and ``--mamba-radix-cache-strategy extra_buffer``; the draft has a
+sliding-window layer and a full layer. SGLang's chunked gated-delta-rule kernel has no float32,
+so the servers run bf16, and every divergence from AR must sit on a near-tie (the rule of
+test_server_gpu, calibrated on the AR server's own decode-vs-prefill noise).
 """
 
 import os
@@ -14,20 +17,23 @@ import sys
 from functools import lru_cache
 
 import pytest
-from test_server_gpu import COMMON, RESULTS, ROOT, first_divergence, greedy, ids, save
+from test_server_gpu import (
+    COMMON, MAX_TIE_RATE, NEAR_TIE_NATS, RESULTS, ROOT, first_divergence, greedy, ids, kernel_noise, probe_margin,
+    save,
+)
 
 from benchmark_sglang import Server, ServerSpec, kv_loads, run_requests
+from lossless_rules import gap_to_best, is_near_tie
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hybrid]
 INTERVAL = 32  # --mamba-track-interval: a checkpoint every 32 tokens (>= 2 blocks, see worker)
 WINDOW = 1024  # --speculative-draft-window-size, far below the long prompts
 LONG_PROMPTS = (8448, 9000)
-FLAGS = ["--dtype", "float32", "--cuda-graph-max-bs", "8", "--mamba-radix-cache-strategy", "extra_buffer",
-         "--mamba-track-interval", str(INTERVAL), "--mamba-ssm-dtype", "float32"]
-# The conv state defaults to bf16, which the conv kernel cannot mix with float32 activations.
-FP32_ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee", "SGLANG_MAMBA_CONV_DTYPE": "float32"}
+FLAGS = ["--dtype", "bfloat16", "--mamba-radix-cache-strategy", "extra_buffer",
+         "--mamba-track-interval", str(INTERVAL)]
 RUNS = {"plugin": ("plugin", ()), "plugin_window": ("plugin", ("--speculative-draft-window-size", str(WINDOW))),
         "builtin": ("builtin", ())}
+SELECTED = os.environ.get("DFLASH_HYBRID_RUNS", "plugin,plugin_window").split(",")
 
 
 @lru_cache(maxsize=None)
@@ -39,11 +45,14 @@ def hybrid_pair():
     return os.path.join(out, "target"), os.path.join(out, "draft")
 
 
-def workloads():
+def short_prompts():
     rng = random.Random(21)
-    short = [[rng.randrange(10, 4000) for _ in range(rng.randrange(8, 64))] for _ in range(64)]
-    long = [[rng.randrange(10, 4000) for _ in range(n)] for n in LONG_PROMPTS]
-    return short, long
+    return [[rng.randrange(10, 4000) for _ in range(rng.randrange(8, 64))] for _ in range(64)]
+
+
+def long_prompts():
+    rng = random.Random(22)
+    return [[rng.randrange(10, 4000) for _ in range(n)] for n in LONG_PROMPTS]
 
 
 def follow_ups(short, outputs):
@@ -57,61 +66,84 @@ def follow_ups(short, outputs):
     return work
 
 
-FAILED_STARTS = {}  # a server that failed to start is not started again by the next test
-
-
-def collect(name):
-    if name in FAILED_STARTS:
-        raise FAILED_STARTS[name]
-    try:
-        return _collect(name)
-    except Exception as e:
-        FAILED_STARTS[name] = e
-        raise
-
-
-@lru_cache(maxsize=None)
-def _collect(name):
-    impl, extra = RUNS.get(name, ("ar", ()))
-    target, draft = hybrid_pair()
-    spec = ServerSpec(impl, target, draft if impl != "ar" else None, 16 if impl != "ar" else None,
-                      COMMON + FLAGS + list(extra), FP32_ENV)
-    short, long = workloads()
-    out = {}
-    with Server(spec, log_path=os.path.join(RESULTS, f"server-hybrid-{name}.log"), timeout_s=600) as server:
-        first, _ = run_requests(server.url, [greedy(p) for p in short], 16)
-        out["greedy"] = ids(first)
-        out["accept_length"] = sum(r.completion_tokens for r in first) / max(1, sum(r.spec_verify_ct for r in first))
-        work = follow_ups(short, out["greedy"])
-        second, _ = run_requests(server.url, [w for _, w in work], 8)
-        out["follow_ups"] = ids(second)
-        out["follow_up_prompt_lens"] = [n for n, _ in work]
-        out["follow_up_cached"] = [r.meta.get("cached_tokens", 0) for r in second]
-        out["long"] = ids(run_requests(server.url, [greedy(p, max_new=64) for p in long], 2)[0])
-        out["loads_after"] = kv_loads(server.url)
+def serve(name, server):
+    """The workloads, in order: greedy prompts, their follow-ups (radix hits), long prompts."""
+    out = {"requests": {}}
+    short = short_prompts()
+    first, _ = run_requests(server.url, [greedy(p) for p in short], 16)
+    out["greedy"], out["requests"]["greedy"] = ids(first), [greedy(p) for p in short]
+    out["accept_length"] = sum(r.completion_tokens for r in first) / max(1, sum(r.spec_verify_ct for r in first))
+    work = follow_ups(short, out["greedy"])
+    second, _ = run_requests(server.url, [w for _, w in work], 8)
+    out["follow_ups"], out["requests"]["follow_ups"] = ids(second), [w for _, w in work]
+    out["follow_up_prompt_lens"] = [n for n, _ in work]
+    out["follow_up_cached"] = [r.meta.get("cached_tokens", 0) for r in second]
+    long = [greedy(p, max_new=64) for p in long_prompts()]
+    out["long"], out["requests"]["long"] = ids(run_requests(server.url, long, 2)[0]), long
+    out["loads_after"] = kv_loads(server.url)
     return out
 
 
-def mismatches(a, b):
-    return [(i, first_divergence(x, y)) for i, (x, y) in enumerate(zip(a, b)) if first_divergence(x, y) is not None]
+def spec(name):
+    impl, extra = RUNS.get(name, ("ar", ()))
+    target, draft = hybrid_pair()
+    return ServerSpec(impl, target, draft if impl != "ar" else None, 16 if impl != "ar" else None,
+                      COMMON + FLAGS + list(extra))
+
+
+@lru_cache(maxsize=None)
+def against_ar():
+    """Every selected run, then AR: its outputs, the rule's calibration, a probe at each divergence."""
+    runs = {}
+    for name in SELECTED:
+        with Server(spec(name), log_path=os.path.join(RESULTS, f"server-hybrid-{name}.log"), timeout_s=600) as s:
+            runs[name] = serve(name, s)
+    with Server(spec("ar"), log_path=os.path.join(RESULTS, "server-hybrid-ar.log"), timeout_s=600) as ar:
+        ar_out = serve("ar", ar)
+        noise, margins = kernel_noise(ar.url, 4000)
+        near_tie = max(NEAR_TIE_NATS["bfloat16"], 2 * noise)
+        calibration = {"kernel_noise_nats": noise, "probes": len(margins), "near_tie_nats": near_tie,
+                       "tie_rate": sum(m <= near_tie for m in margins) / len(margins)}
+        reports = {}
+        for name, out in runs.items():
+            rows = {}
+            for kind in ("greedy", "follow_ups", "long"):
+                rows[kind] = []
+                for i, (req, a, b) in enumerate(zip(out["requests"][kind], out[kind], ar_out[kind])):
+                    d = first_divergence(a, b)
+                    if d is None:
+                        continue
+                    row = {"request": i, "position": d, "ar": b[d:d + 1], "spec": a[d:d + 1], "near_tie": False}
+                    if d < min(len(a), len(b)):
+                        _, row["top"] = probe_margin(ar.url, req["input_ids"], b[:d], k=5)
+                        row["spec_gap_nats"] = gap_to_best(row["top"], a[d])
+                        row["near_tie"] = is_near_tie(row["top"], a[d], near_tie)
+                    rows[kind].append(row)
+            checkpointed = sum(c > n for c, n in zip(out["follow_up_cached"], out["follow_up_prompt_lens"]))
+            reports[name] = {
+                "run": name, "dtype": "bfloat16", "calibration": calibration, "divergences": rows,
+                "off_near_tie": {k: sum(not r["near_tie"] for r in v) for k, v in rows.items()},
+                "prompts": {k: len(out[k]) for k in rows}, "long_prompt_tokens": list(LONG_PROMPTS),
+                "draft_window": WINDOW if name == "plugin_window" else None, "mamba_track_interval": INTERVAL,
+                "follow_ups_served_from_decode_checkpoints": checkpointed, "accept_length": out["accept_length"],
+                "loads_after": out["loads_after"], "ar_loads_after": ar_out["loads_after"],
+            }
+            save(f"hybrid_{name}.json", reports[name])
+    return reports
 
 
 def report(name):
-    ar, run = collect("ar"), collect(name)
-    rows = {kind: mismatches(run[kind], ar[kind]) for kind in ("greedy", "follow_ups", "long")}
-    checkpointed = sum(c > n for c, n in zip(run["follow_up_cached"], run["follow_up_prompt_lens"]))
-    payload = {"run": name, "mismatches": rows, "prompts": {k: len(run[k]) for k in rows},
-               "long_prompt_tokens": list(LONG_PROMPTS), "draft_window": WINDOW if name == "plugin_window" else None,
-               "follow_ups_served_from_decode_checkpoints": checkpointed, "accept_length": run["accept_length"],
-               "loads_after": run["loads_after"], "ar_loads_after": ar["loads_after"]}
-    save(f"hybrid_{name}.json", payload)
-    return payload
+    if name not in SELECTED:
+        pytest.skip(f"{name} is not in DFLASH_HYBRID_RUNS")
+    rep = against_ar()[name]
+    assert rep["calibration"]["tie_rate"] <= MAX_TIE_RATE, f"the near-tie rule would not decide: {rep['calibration']}"
+    return rep
 
 
 @pytest.mark.parametrize("name", ["plugin", "plugin_window"])
-def test_hybrid_greedy_and_long_prompts_match_ar(name):
+def test_hybrid_greedy_and_long_prompts_match_ar_up_to_near_ties(name):
     rep = report(name)
-    assert rep["mismatches"]["greedy"] == [] and rep["mismatches"]["long"] == [], rep["mismatches"]
+    assert rep["off_near_tie"]["greedy"] == 0 and rep["off_near_tie"]["long"] == 0, rep["divergences"]
     assert rep["accept_length"] > 1.5  # multi-token commits happened (the magnet token is drafted)
     for loads in (rep["loads_after"], rep["ar_loads_after"]):
         assert loads.get("num_used_tokens") == 0 and loads.get("num_running_reqs") == 0, loads
@@ -128,4 +160,4 @@ def test_requests_resumed_from_decode_checkpoints_match_ar(name):
     rep = report(name)
     n = rep["prompts"]["follow_ups"]
     assert n >= 16 and rep["follow_ups_served_from_decode_checkpoints"] >= n // 2, rep
-    assert rep["mismatches"]["follow_ups"] == [], rep["mismatches"]["follow_ups"]
+    assert rep["off_near_tie"]["follow_ups"] == 0, rep["divergences"]["follow_ups"]
