@@ -149,7 +149,7 @@ def main():
         hidden_act="silu", tie_word_embeddings=False, architectures=["DFlashDraftModel"], num_hidden_layers=args.draft_layers, num_target_layers=args.layers,
         block_size=args.block_size,
         **({"layer_types": ["sliding_attention"] + ["full_attention"] * (args.draft_layers - 1),
-            "sliding_window": args.draft_sliding_window} if args.draft_sliding_window else {}),
+            "sliding_window": args.draft_sliding_window, "use_sliding_window": True} if args.draft_sliding_window else {}),
         dflash_config={"target_layer_ids": taps, "mask_token_id": mask_id, "block_size": args.block_size},
     )
     with open(os.path.join(draft_dir, "config.json"), "w") as f:

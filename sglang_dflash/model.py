@@ -13,7 +13,9 @@ The math is the one in :mod:`sglang_dflash.reference`; GPU tests compare the two
 
 from __future__ import annotations
 
+import json
 import os
+
 from typing import Iterable, Optional
 
 import torch
@@ -36,7 +38,14 @@ from .ops.context_kv import norm_rope_split
 
 
 def _draft_config(hf_config) -> DFlashDraftConfig:
-    return DFlashDraftConfig.from_dict(hf_config.to_dict(), source=getattr(hf_config, "_name_or_path", None))
+    raw, path = hf_config.to_dict(), getattr(hf_config, "_name_or_path", None)
+    # The checkpoint's own config.json wins: transformers' Qwen3Config drops ``sliding_window``
+    # unless ``use_sliding_window`` is set, though ``layer_types`` still names sliding layers.
+    file = os.path.join(path, "config.json") if path else None
+    if file and os.path.isfile(file):
+        with open(file) as f:
+            raw.update(json.load(f))
+    return DFlashDraftConfig.from_dict(raw, source=path)
 
 
 class DFlashAttention(nn.Module):
