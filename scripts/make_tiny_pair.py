@@ -105,9 +105,6 @@ def main():
     ap.add_argument("--magnet", type=float, default=3.0, help="strength of the magnet token (0: off)")
     ap.add_argument("--logit-scale", type=float, default=8.0, help="lm_head gain: peaky logits, few near-ties")
     ap.add_argument("--target-arch", choices=["qwen3", "qwen3_5", "qwen3_next"], default="qwen3")
-    ap.add_argument("--magnet-trigger", type=float, default=0.0,
-                    help="instead of the final-norm magnet: this share of the vocabulary is followed by the magnet, "
-                         "and the magnet by something else (a recurrent target would else emit it forever)")
     ap.add_argument("--draft-sliding-window", type=int, default=0,
                     help="make the first draft layer a sliding_attention layer with this window (0: all full)")
     args = ap.parse_args()
@@ -138,16 +135,9 @@ def main():
         target.lm_head.weight.mul_(args.logit_scale)
         if args.magnet:
             j = H - 1
-            # the trigger form reads the embedding coordinate as it is; a gain would keep it up
-            final_norm.weight[j] = (1.0 if args.magnet_trigger else args.magnet * 8) - norm_offset
+            final_norm.weight[j] = args.magnet * 8 - norm_offset
             target.lm_head.weight[:, j] = 0
             target.lm_head.weight[0, j] = args.logit_scale
-            if args.magnet_trigger:  # the current token's own embedding decides, through the residual
-                embed = target.get_input_embeddings().weight
-                trigger = torch.rand(vocab, generator=torch.Generator().manual_seed(1)) < args.magnet_trigger
-                embed[:, j] = torch.where(trigger, 0.25, -0.25)
-                embed[0, j] = -0.25
-                target.lm_head.weight[0, j] = args.logit_scale * args.magnet
     target.save_pretrained(target_dir, safe_serialization=True)
     save_hybrid_extras(target_dir, args.target_arch, tok, os.path.join(target_dir, "config.json"))
 

@@ -38,12 +38,10 @@ SELECTED = os.environ.get("DFLASH_HYBRID_RUNS", "plugin,plugin_window").split(",
 
 @lru_cache(maxsize=None)
 def hybrid_pair():
-    out = os.environ.get("DFLASH_HYBRID_DIR") or "/tmp/dflash-hybrid-trigger"
+    out = os.environ.get("DFLASH_HYBRID_DIR") or "/tmp/dflash-hybrid-m15"
     if not os.path.exists(os.path.join(out, "draft", "model.safetensors")):
-        # The recurrent target would keep a final-norm magnet up forever: here 40% of the tokens
-        # call the magnet next, in runs of 1-4; wide logits keep the other positions off ties.
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), out,
-                        "--magnet", "0.5", "--logit-scale", "64", "--magnet-trigger", "0.4",
+        # a weaker magnet than the Qwen3 pair's: runs of it, not answers made of it alone
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), out, "--magnet", "1.5",
                         "--target-arch", "qwen3_5", "--draft-sliding-window", "256"], check=True)
     return os.path.join(out, "target"), os.path.join(out, "draft")
 
@@ -145,7 +143,7 @@ def report(name):
 def test_hybrid_greedy_and_long_prompts_match_ar_up_to_near_ties(name):
     rep = report(name)
     assert rep["off_near_tie"]["greedy"] == 0 and rep["off_near_tie"]["long"] == 0, rep["divergences"]
-    assert rep["accept_length"] > 1.2  # multi-token commits happened (the magnet token is drafted)
+    assert rep["accept_length"] > 1.5  # multi-token commits happened (the magnet token is drafted)
     for loads in (rep["loads_after"], rep["ar_loads_after"]):
         assert loads.get("num_used_tokens") == 0 and loads.get("num_running_reqs") == 0, loads
 
