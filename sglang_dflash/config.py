@@ -242,18 +242,15 @@ class TargetInfo:
     num_layers: int
     vocab_size: int
     context_length: Optional[int] = None
-    hybrid: bool = False  # some layers keep recurrent state (linear attention, mamba)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], context_length: Optional[int] = None) -> "TargetInfo":
-        text = raw.get("text_config") or raw
-        kinds = set(text.get("layer_types") or []) | set(text.get("layers_block_type") or [])
+        text = raw.get("text_config") or raw  # multimodal targets (Qwen3.5) nest the language model
         return cls(
             hidden_size=int(text["hidden_size"]),
             num_layers=int(text["num_hidden_layers"]),
             vocab_size=int(text.get("vocab_size", raw.get("vocab_size"))),
             context_length=context_length or text.get("max_position_embeddings"),
-            hybrid=bool(kinds & {"linear_attention", "mamba", "mamba2"}),
         )
 
     @classmethod

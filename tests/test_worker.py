@@ -124,3 +124,21 @@ def test_a_compacted_context_equals_the_context_window_mask():
     torch.testing.assert_close(compact, masked)
     unwindowed = draft(blk, pos, feats, torch.arange(ctx_len), draft.layer_masks(torch.tensor([ctx_len]), ctx_len))
     assert not torch.allclose(unwindowed, masked)  # the window does change what the draft sees
+
+
+def test_draft_config_reads_sliding_window_from_the_checkpoint(tmp_path):
+    """transformers' Qwen3Config drops ``sliding_window`` unless ``use_sliding_window`` is set;
+    the layer types still name sliding layers, so the checkpoint's own file must win."""
+    import json
+
+    from transformers import Qwen3Config
+
+    from sglang_dflash.model import _draft_config
+
+    raw = draft_config_dict(layer_types=["sliding_attention", "full_attention"], sliding_window=256)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    hf._name_or_path = str(tmp_path)
+    assert hf.to_dict().get("sliding_window") is None  # what SGLang hands the model
+    cfg = _draft_config(hf)
+    assert cfg.sliding_window == 256 and cfg.layer_types[0] == "sliding_attention"
