@@ -130,7 +130,7 @@ class DraftWindow:
     """
 
     def __init__(self, size: int, block_size: int, shared_pool, device):
-        self.size, self.block_size = size, block_size
+        self.size = size
         self.pool = ReqToTokenPool(size=shared_pool.size, max_context_len=size + block_size, device=device,
                                    enable_memory_saver=False)
         self.cols = torch.arange(size + block_size, device=device)
