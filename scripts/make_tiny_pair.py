@@ -146,8 +146,8 @@ def main():
                                           "max_position_embeddings", "eos_token_id")}
     dcfg.update(
         model_type="qwen3", num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rope_theta=1e6,
-        hidden_act="silu", tie_word_embeddings=False, architectures=["DFlashDraftModel"], num_hidden_layers=args.draft_layers, num_target_layers=args.layers,
-        block_size=args.block_size,
+        hidden_act="silu", tie_word_embeddings=False, architectures=["DFlashDraftModel"],
+        num_hidden_layers=args.draft_layers, num_target_layers=args.layers, block_size=args.block_size,
         **({"layer_types": ["sliding_attention"] + ["full_attention"] * (args.draft_layers - 1),
             "sliding_window": args.draft_sliding_window, "use_sliding_window": True} if args.draft_sliding_window else {}),
         dflash_config={"target_layer_ids": taps, "mask_token_id": mask_id, "block_size": args.block_size},

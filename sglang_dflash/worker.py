@@ -434,7 +434,7 @@ class DFlashWorker(BaseSpecWorker):
             mamba_track_indices=batch.mamba_track_indices,
             mamba_steps_to_track=steps_to_track,
             model=self.model_runner.model,
-            req_pool_indices=batch.req_pool_indices[: accepted.commit_len.shape[0]],
+            req_pool_indices=batch.req_pool_indices,
         )
 
     @staticmethod

@@ -17,13 +17,9 @@ import sys
 from functools import lru_cache
 
 import pytest
-from test_server_gpu import (
-    COMMON, MAX_TIE_RATE, NEAR_TIE_NATS, RESULTS, ROOT, first_divergence, greedy, ids, kernel_noise, probe_margin,
-    save,
-)
+from test_server_gpu import COMMON, MAX_TIE_RATE, RESULTS, ROOT, calibrate, divergence, greedy, ids, save
 
 from benchmark_sglang import Server, ServerSpec, kv_loads, run_requests
-from lossless_rules import gap_to_best, is_near_tie
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hybrid]
 INTERVAL = 32  # --mamba-track-interval: a checkpoint every 32 tokens (>= 2 blocks, see worker)
@@ -99,25 +95,16 @@ def against_ar():
     with Server(spec("ar"), log_path=os.path.join(RESULTS, "server-hybrid-ar.log"), timeout_s=600) as ar:
         ar_out = serve("ar", ar)
         ar_checkpointed = sum(c > n for c, n in zip(ar_out["follow_up_cached"], ar_out["follow_up_prompt_lens"]))
-        noise, margins = kernel_noise(ar.url, 4000)
-        near_tie = max(NEAR_TIE_NATS["bfloat16"], 2 * noise)
-        calibration = {"kernel_noise_nats": noise, "probes": len(margins), "near_tie_nats": near_tie,
-                       "tie_rate": sum(m <= near_tie for m in margins) / len(margins)}
+        calibration = calibrate(ar.url, 4000, "bfloat16")
         reports = {}
         for name, out in runs.items():
             rows = {}
             for kind in ("greedy", "follow_ups", "long"):
                 rows[kind] = []
                 for i, (req, a, b) in enumerate(zip(out["requests"][kind], out[kind], ar_out[kind])):
-                    d = first_divergence(a, b)
-                    if d is None:
-                        continue
-                    row = {"request": i, "position": d, "ar": b[d:d + 1], "spec": a[d:d + 1], "near_tie": False}
-                    if d < min(len(a), len(b)):
-                        _, row["top"] = probe_margin(ar.url, req["input_ids"], b[:d], k=5)
-                        row["spec_gap_nats"] = gap_to_best(row["top"], a[d])
-                        row["near_tie"] = is_near_tie(row["top"], a[d], near_tie)
-                    rows[kind].append(row)
+                    row = divergence(ar.url, req, a, b, calibration["near_tie_nats"])
+                    if row is not None:
+                        rows[kind].append({"request": i, **row})
             checkpointed = sum(c > n for c, n in zip(out["follow_up_cached"], out["follow_up_prompt_lens"]))
             reports[name] = {
                 "run": name, "dtype": "bfloat16", "calibration": calibration, "divergences": rows,

@@ -160,6 +160,31 @@ def kernel_noise(url, vocab, n_prompts=16, every=8):
     return max(diffs), margins
 
 
+def calibrate(url, vocab, dtype):
+    """The near-tie bound from the AR server's own kernel noise, and the share of ordinary
+    positions it would excuse (it must stay small for the rule to decide anything)."""
+    noise, margins = kernel_noise(url, vocab)
+    near_tie = max(NEAR_TIE_NATS[dtype], 2 * noise)
+    return {"kernel_noise_nats": noise, "probes": len(margins), "near_tie_nats": near_tie,
+            "tie_rate": sum(m <= near_tie for m in margins) / len(margins)}
+
+
+def divergence(url, req, spec, ar, near_tie):
+    """Where ``spec`` first leaves ``ar`` (None if nowhere), probed on the AR server at ``url``."""
+    d = first_divergence(spec, ar)
+    if d is None:
+        return None
+    row = {"position": d, "ar": ar[d:d + 1], "spec": spec[d:d + 1]}
+    if d < min(len(spec), len(ar)):
+        row["margin_nats"], row["top"] = probe_margin(url, req["input_ids"], ar[:d], k=5)
+        # excused when AR could have chosen the speculative token: a 3-way bf16 tie counts
+        row["spec_gap_nats"] = gap_to_best(row["top"], spec[d])
+        row["near_tie"] = is_near_tie(row["top"], spec[d], near_tie)
+    else:  # one stopped where the other went on: decided by the token before
+        row["near_tie"] = False
+    return row
+
+
 @lru_cache(maxsize=None)
 def against_ar(dtype):
     """Every run of RUNS[dtype], then one AR server: its outputs, and a margin probe at each divergence."""
@@ -173,27 +198,15 @@ def against_ar(dtype):
                   "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.95}}
         ar_out["sampling"], _ = run_requests(ar.url, [sample] * 400, 64)
         ar_loads = kv_loads(ar.url)
-        noise, margins = kernel_noise(ar.url, vocab)
-        near_tie = max(NEAR_TIE_NATS[dtype], 2 * noise)
-        report["calibration"] = {"kernel_noise_nats": noise, "probes": len(margins), "near_tie_nats": near_tie,
-                                 # share of ordinary positions the rule would excuse: it must stay small
-                                 "tie_rate": sum(m <= near_tie for m in margins) / len(margins)}
+        report["calibration"] = calibrate(ar.url, vocab, dtype)
+        near_tie = report["calibration"]["near_tie_nats"]
         for run, out in runs.items():
             rows = []
             for kind in ("greedy", "stops"):
                 for i, (req, a, b) in enumerate(zip(work[kind], ids(out[kind]), ids(ar_out[kind]))):
-                    d = first_divergence(a, b)
-                    if d is None:
-                        continue
-                    row = {"workload": kind, "request": i, "position": d, "ar": b[d:d + 1], "spec": a[d:d + 1]}
-                    if d < min(len(a), len(b)):
-                        row["margin_nats"], row["top"] = probe_margin(ar.url, req["input_ids"], b[:d], k=5)
-                        # excused when AR could have chosen the speculative token: a 3-way bf16 tie counts
-                        row["spec_gap_nats"] = gap_to_best(row["top"], a[d])
-                        row["near_tie"] = is_near_tie(row["top"], a[d], near_tie)
-                    else:  # one stopped where the other went on: decided by the token before
-                        row["near_tie"] = False
-                    rows.append(row)
+                    row = divergence(ar.url, req, a, b, near_tie)
+                    if row is not None:
+                        rows.append({"workload": kind, "request": i, **row})
             report[run] = rows
     return runs, ar_out, ar_loads, report
 
