@@ -7,7 +7,7 @@
 #             python scripts/fetch_datasets.py --data-dir .bench-eval --datasets gsm8k,humaneval,mt-bench  (0.6 MB)
 # The tree carries the shipped draft (24 MB), so each run holds one part and little else:
 #   runs 1-5, carrying .carry1 .. .carry5:  source scripts/gpu_setup.sh || true   (or any GPU test command)
-#   then, carrying .bench-data:             bash scripts/gpu_smollm2.sh train      (regenerates, trains TRAIN_MINUTES)
+#   then, carrying .bench-data:             bash scripts/gpu_smollm2.sh train      (regenerates, trains; again: resumes)
 #   or, carrying .bench-eval:               bash scripts/gpu_smollm2.sh measure [IMPLS] | extra
 # The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
 set -euo pipefail
@@ -28,16 +28,19 @@ bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS
 gpu_model $target
 data=.bench-data; [ -d $data ] || data=.bench-eval
 case "${1:?train|measure|extra}" in
-train)
+train)  # regenerates once, then trains TRAIN_MINUTES in all, PAUSE_MINUTES per run: run it again to resume
     python3 -c "from transformers import AutoTokenizer as T; t=T.from_pretrained('$target'); print({i: t.convert_ids_to_tokens(i) for i in range(17)})"
     # The mask is a special row the chat never emits: id 16 is <empty_output> (printed above).
+    resume=; [ -f $draft/trainer_state.pt ] && resume=--resume
     python3 -m sglang_dflash.train --target $target --out $draft --data-dir .bench-data \
-        --datasets sharegpt,gsm8k,mbpp,mt-bench --per-dataset ${PER_DATASET:-6000} --max-new-tokens 384 \
-        --block-size 16 --draft-layers 3 --mask-token-id 16 --steps 100000 --max-minutes ${TRAIN_MINUTES:-6.5} \
-        --batch-size 16 --save-every 500 2>&1 | tr '\r' '\n' | awk 'NR % 300 == 0 || !/it\/s\]|s\/it\]/'
+        --datasets sharegpt,gsm8k,mbpp,mt-bench --per-dataset ${PER_DATASET:-12000} --max-new-tokens 384 \
+        --block-size 16 --draft-layers 3 --mask-token-id 16 --steps 1000000 --anchors ${ANCHORS:-256} \
+        --batch-size 16 --save-every 500 --max-minutes ${TRAIN_MINUTES:-20} --pause-after-minutes ${PAUSE_MINUTES:-9} \
+        $resume 2>&1 | tr '\r' '\n' | awk 'NR % 300 == 0 || !/it\/s\]|s\/it\]/'
     tail -n 2 $draft/train_log.jsonl
+    python3 -c "import torch; s=torch.load('$draft/trainer_state.pt', weights_only=False); print('step', s['step'], 'trained min', round(s['train_seconds'] / 60, 2))"
     cp $draft/config.json $draft/train_log.jsonl "$out"/ && split -b 15m $draft/model.safetensors "$out"/draft.part
-    xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;  # the regenerated set, for later runs
+    xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;
 measure)  # AR, the plugin and the built-in on the trained draft (plus NGRAM); ~3 servers per 10-minute run
     bench ${2:-ar,plugin,builtin} $draft trained 1,8,32 16 ;;
 extra)  # the untrained draft (same layout, --steps 0) and NGRAM on the same prompts

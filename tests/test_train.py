@@ -11,7 +11,8 @@ from sglang_dflash.config import TargetInfo, load_and_validate
 from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
-from sglang_dflash.train.trainer import FrozenTarget, TrainConfig, load_trained_draft, lr_at, run_progress, train
+from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, lm_loss, load_trained_draft, lr_at, run_progress,
+                                        train)
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
@@ -105,6 +106,43 @@ def test_pause_then_resume_keeps_the_step_schedule(tiny_target, tmp_path):
     train(model, tok, examples, TrainConfig(steps=40, **base), resume=True, log=lambda *a: None)
     steps = [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))]
     assert steps == list(range(1, 41))
+
+
+def test_time_budget_spans_resumes_and_pause_counts_from_the_command_start(tiny_target, tmp_path):
+    import time
+
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    base = dict(out_dir=out, block_size=4, draft_layers=1, batch_size=4, anchors=8, save_every=1000, max_length=96,
+                steps=100_000, max_minutes=0.05)
+    # The command began an hour ago (regeneration, say): the pause is due after the first step.
+    train(model, tok, examples, TrainConfig(pause_after_minutes=1.0, **base), log=lambda *a: None,
+          started=time.monotonic() - 3600)
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 1 and 0 < state["train_seconds"] < 3
+    train(model, tok, examples, TrainConfig(**base), resume=True, log=lambda *a: None)
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    assert state["train_seconds"] == pytest.approx(3.0, abs=1.0)  # the budget, not a fresh 3 s on top
+    messages = []
+    train(model, tok, examples, TrainConfig(**base), resume=True, log=messages.append)
+    assert messages[-1].startswith("the training budget is spent")
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == state["step"]
+
+
+def test_chunked_lm_loss_equals_the_whole_loss_with_its_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    lm_head = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (37,))
+    weights = torch.rand(37)
+    whole, whole_acc = lm_loss(hidden, lm_head, labels, weights, chunk=1000)
+    (g_whole,) = torch.autograd.grad(whole, hidden)
+    chunked, chunked_acc = lm_loss(hidden, lm_head, labels, weights, chunk=5)
+    (g_chunked,) = torch.autograd.grad(chunked, hidden)
+    ce = torch.nn.functional.cross_entropy(hidden @ lm_head.T, labels, reduction="none")
+    assert whole.item() == pytest.approx(((ce * weights).sum() / weights.sum()).item(), rel=1e-5)
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5) and chunked_acc == whole_acc
+    torch.testing.assert_close(g_chunked, g_whole)
 
 
 def test_lr_schedule_follows_whichever_budget_runs_out_first():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from .data import load_examples, regenerate, save_examples, training_prompts
 from .trainer import TrainConfig, train
@@ -36,11 +37,12 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--anchors", type=int, default=64)
+    ap.add_argument("--anchors", type=int, default=256, help="blocks per sequence and step (the recipe: 512 at 3072)")
     ap.add_argument("--save-every", type=int, default=500)
-    ap.add_argument("--max-minutes", type=float, help="stop training after this long (the LR schedule fits it)")
+    ap.add_argument("--max-minutes", type=float,
+                    help="training time over all resumes; the LR schedule fits it (and --steps, whichever ends first)")
     ap.add_argument("--pause-after-minutes", type=float,
-                    help="save and stop after this long; run again with --resume to go on (schedule by --steps)")
+                    help="save and stop this long after the command began; run again with --resume to go on")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -55,6 +57,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    started = time.monotonic()
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
         max_length=args.max_length, anchors=args.anchors, save_every=args.save_every, max_minutes=args.max_minutes,
         pause_after_minutes=args.pause_after_minutes, seed=args.seed,
     )
-    out = train(model, tokenizer, examples, cfg, resume=args.resume)
+    out = train(model, tokenizer, examples, cfg, resume=args.resume, started=started)
     print(f"draft written to {out}")
     return 0
 

@@ -43,8 +43,9 @@ class TrainConfig:
     gamma: Optional[float] = None  # loss decay; default 7 for block 16, scaled with the block
     grad_clip: float = 1.0
     save_every: int = 500
-    max_minutes: Optional[float] = None  # wall-time budget for the steps; the LR schedule follows it
-    pause_after_minutes: Optional[float] = None  # save and stop, to go on with resume=True (schedule by steps)
+    max_minutes: Optional[float] = None  # training-time budget over all resumes; the LR schedule follows it
+    pause_after_minutes: Optional[float] = None  # save and stop this long after the command began; resume goes on
+    loss_chunk: int = 8192  # rows of lm_head logits alive at once (they are recomputed in backward)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -163,6 +164,30 @@ def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, de
     return block_ids.flatten(1), pos.flatten(1), labels.flatten(1), weights.flatten(1)
 
 
+def _chunk_loss(hidden, lm_head, labels, weights):
+    logits = hidden.to(lm_head.dtype) @ lm_head.T
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (ce * weights).sum(), (logits.argmax(-1) == labels).sum()
+
+
+def lm_loss(hidden, lm_head, labels, weights, chunk: int):
+    """Weighted same-position cross-entropy and accuracy over rows of ``hidden``.
+
+    Vocabulary-wide logits for every block slot do not fit at once (61k rows x 49k vocab is 12 GB
+    in float32), so rows go through lm_head in chunks that are recomputed in backward.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    total, correct = hidden.new_zeros((), dtype=torch.float32), 0
+    for i in range(0, hidden.shape[0], chunk):
+        args = (hidden[i:i + chunk], lm_head, labels[i:i + chunk], weights[i:i + chunk])
+        part, hits = checkpoint(_chunk_loss, *args, use_reentrant=False) if hidden.requires_grad else _chunk_loss(*args)
+        total, correct = total + part, correct + hits
+    loss = total / weights.sum().clamp(min=1e-6)
+    acc = correct.float() / labels.numel() if labels.numel() else loss.new_zeros(())
+    return loss, acc
+
+
 def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, loss_mask, anchors, cfg: TrainConfig,
                       mask_token_id: int):
     device = target.embed.device
@@ -173,12 +198,7 @@ def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, lo
     ctx_pos = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
     hidden = draft(target.embed[block_ids].to(feats.dtype), pos, feats, ctx_pos, masks)
     keep = labels >= 0
-    logits = hidden[keep].to(target.lm_head.dtype) @ target.lm_head.T
-    ce = F.cross_entropy(logits.float(), labels[keep], reduction="none")
-    w = weights[keep]
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    acc = (logits.argmax(-1) == labels[keep]).float().mean() if keep.any() else loss.new_zeros(())
-    return loss, acc
+    return lm_loss(hidden[keep], target.lm_head, labels[keep], weights[keep], cfg.loss_chunk)
 
 
 def lr_at(progress: float, cfg: TrainConfig) -> float:
@@ -190,7 +210,7 @@ def lr_at(progress: float, cfg: TrainConfig) -> float:
 
 
 def run_progress(step: int, elapsed_s: float, cfg: TrainConfig) -> float:
-    """How far the run is: by steps, or by wall time when a budget is set, whichever is further."""
+    """How far the run is: by steps, or by training time (all resumes) when a budget is set, whichever is further."""
     by_steps = step / max(cfg.steps, 1)
     return max(by_steps, elapsed_s / (60 * cfg.max_minutes)) if cfg.max_minutes else by_steps
 
@@ -209,8 +229,12 @@ def save_checkpoint(draft: ReferenceDraft, config: dict, out_dir: str, dtype=tor
 
 
 def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig, resume: bool = False,
-          log=print) -> str:
-    """Train and write the draft to ``cfg.out_dir``; resumes from its ``trainer_state.pt`` if asked."""
+          log=print, started: Optional[float] = None) -> str:
+    """Train and write the draft to ``cfg.out_dir``; resumes from its ``trainer_state.pt`` if asked.
+
+    ``started`` (``time.monotonic()``) is when the command began: ``pause_after_minutes`` counts
+    from there, so regeneration and loading fit inside a time-limited job too.
+    """
     from tqdm import tqdm
 
     device = next(target_model.parameters()).device
@@ -221,13 +245,13 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     torch.manual_seed(cfg.seed)
     draft = ReferenceDraft(DFlashDraftConfig.from_dict(config)).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start = 0
+    start, trained_s = 0, 0.0
     state_path = os.path.join(cfg.out_dir, "trainer_state.pt")
     if resume and os.path.isfile(state_path):
         state = torch.load(state_path, map_location=device, weights_only=False)
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["optimizer"])
-        start = state["step"]
+        start, trained_s = state["step"], state.get("train_seconds", 0.0)
         log(f"resumed from step {start}")
     gen = torch.Generator().manual_seed(cfg.seed + start)
     rng = random.Random(cfg.seed + start)
@@ -236,11 +260,15 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     if cfg.steps == 0:  # the untrained baseline: initialised weights in the same layout
         save_checkpoint(draft, config, cfg.out_dir)
         return cfg.out_dir
+    if run_progress(start, trained_s, cfg) >= 1:
+        log(f"the training budget is spent (step {start}, {trained_s / 60:.1f} min): nothing to resume")
+        return cfg.out_dir
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
     pool = list(examples)
     t0 = time.monotonic()
+    started = t0 if started is None else started
     for step in bar:
-        progress = run_progress(step, time.monotonic() - t0, cfg)
+        progress = run_progress(step, trained_s + time.monotonic() - t0, cfg)
         batch = rng.sample(pool, min(cfg.batch_size, len(pool)))
         ids, attn, loss_mask = collate(batch, cfg.max_length, pad)
         anchors = sample_anchors(loss_mask, cfg.anchors, gen)
@@ -255,12 +283,13 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         loss_value, acc_value = torch.stack([loss.detach().float(), acc.float()]).tolist()  # one host sync
         history.append({"step": step + 1, "loss": loss_value, "acc": acc_value})
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
-        elapsed = time.monotonic() - t0
-        done = step + 1 == cfg.steps or run_progress(step + 1, elapsed, cfg) >= 1
-        done = done or (cfg.pause_after_minutes is not None and elapsed >= 60 * cfg.pause_after_minutes)
+        now = time.monotonic()
+        done = step + 1 == cfg.steps or run_progress(step + 1, trained_s + now - t0, cfg) >= 1
+        done = done or (cfg.pause_after_minutes is not None and now - started >= 60 * cfg.pause_after_minutes)
         if done or (step + 1) % cfg.save_every == 0:
             save_checkpoint(draft, config, cfg.out_dir, state={
-                "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1, "config": asdict(cfg)})
+                "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                "train_seconds": trained_s + now - t0, "config": asdict(cfg)})
             with open(os.path.join(cfg.out_dir, "train_log.jsonl"), "a") as f:
                 for h in history:
                     f.write(json.dumps(h) + "\n")
