@@ -17,7 +17,8 @@ out=${OUT:-$PWD/smollm2-out}
 target=/tmp/smollm2
 # The shipped draft when the tree has one, else the one trained on this machine.
 draft=/tmp/smollm2-dflash-b16
-[ -f results/smollm2-draft/model.safetensors ] && [ "$1" != train ] && draft=$PWD/results/smollm2-draft
+[ -f results/smollm2-draft/model.safetensors ] && [ "$1" != train ] && [ ! -f $draft/trainer_state.pt ] \
+    && draft=$PWD/results/smollm2-draft
 flags="--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.5 --log-level warning"
 bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS
     python3 benchmark_sglang.py --model-path $target --draft-model-path $2 --impls $1 \
@@ -31,17 +32,22 @@ case "${1:?train|measure|extra}" in
 train)  # regenerates once, then trains TRAIN_MINUTES in all, PAUSE_MINUTES per run: run it again to resume
     python3 -c "from transformers import AutoTokenizer as T; t=T.from_pretrained('$target'); print({i: t.convert_ids_to_tokens(i) for i in range(17)})"
     # The mask is a special row the chat never emits: id 16 is <empty_output> (printed above).
+    # EXAMPLES=examples.jsonl.xz (a regenerated set from an earlier run) skips the regeneration;
+    # INIT_FROM=DIR starts from that draft with a fresh schedule.
+    mkdir -p $draft
+    [ -n "${EXAMPLES:-}" ] && [ ! -f $draft/examples.jsonl ] && xz -dc "$EXAMPLES" > $draft/examples.jsonl
     resume=; [ -f $draft/trainer_state.pt ] && resume=--resume
+    [ -z "$resume" ] && [ -n "${INIT_FROM:-}" ] && resume="--init-from $INIT_FROM"
     python3 -m sglang_dflash.train --target $target --out $draft --data-dir .bench-data \
         --datasets sharegpt,gsm8k,mbpp,mt-bench --per-dataset ${PER_DATASET:-12000} --max-new-tokens 384 \
         --block-size 16 --draft-layers 3 --mask-token-id 16 --steps 1000000 --anchors ${ANCHORS:-256} \
-        --batch-size 16 --save-every 500 --max-minutes ${TRAIN_MINUTES:-20} --pause-after-minutes ${PAUSE_MINUTES:-9} \
-        $resume 2>&1 | tr '\r' '\n' | awk 'NR % 300 == 0 || !/it\/s\]|s\/it\]/'
+        --lr ${LR:-6e-4} --batch-size 16 --save-every 500 --max-minutes ${TRAIN_MINUTES:-20} --pause-after-minutes ${PAUSE_MINUTES:-9} \
+        $resume 2>&1 | tr '\r' '\n' | awk 'NR % 500 == 0 || !/^training draft:/'
     tail -n 2 $draft/train_log.jsonl
     python3 -c "import torch; s=torch.load('$draft/trainer_state.pt', weights_only=False); print('step', s['step'], 'trained min', round(s['train_seconds'] / 60, 2))"
     cp $draft/config.json $draft/train_log.jsonl "$out"/ && split -b 15m $draft/model.safetensors "$out"/draft.part
-    xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;
-measure)  # AR, the plugin and the built-in on the trained draft (plus NGRAM); ~3 servers per 10-minute run
+    [ -n "${EXAMPLES:-}" ] || xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;
+measure)  # AR, the plugin and the built-in on the trained draft (the one trained on this machine if any)
     bench ${2:-ar,plugin,builtin} $draft trained 1,8,32 16 ;;
 extra)  # the untrained draft (same layout, --steps 0) and NGRAM on the same prompts
     python3 -m sglang_dflash.train --target $target --out $draft-untrained --block-size 16 --draft-layers 3 \

@@ -129,6 +129,22 @@ def test_time_budget_spans_resumes_and_pause_counts_from_the_command_start(tiny_
     assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == state["step"]
 
 
+def test_init_from_starts_with_the_given_weights_and_refuses_another_shape(tiny_target, tmp_path):
+    from safetensors.torch import load_file
+
+    path, model, tok, examples = tiny_target
+    base = dict(block_size=4, draft_layers=1, batch_size=4, anchors=8, max_length=96)
+    first = str(tmp_path / "first")
+    train(model, tok, examples, TrainConfig(out_dir=first, steps=5, **base), log=lambda *a: None)
+    again = str(tmp_path / "again")
+    train(model, tok, examples, TrainConfig(out_dir=again, steps=0, init_from=first, **base), log=lambda *a: None)
+    a, b = load_file(os.path.join(first, "model.safetensors")), load_file(os.path.join(again, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SystemExit, match="fc.weight is .* this draft needs"):
+        train(model, tok, examples, TrainConfig(out_dir=str(tmp_path / "two"), steps=0, init_from=first,
+                                                **{**base, "draft_layers": 2}), log=lambda *a: None)
+
+
 def test_chunked_lm_loss_equals_the_whole_loss_with_its_gradient():
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)

@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--pause-after-minutes", type=float,
                     help="save and stop this long after the command began; run again with --resume to go on")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init-from", help="start from this draft checkpoint (same shape) with a fresh schedule")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.block_size < 2 or args.draft_layers < 1 or args.steps < 0:
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         target_layer_ids=[int(x) for x in args.target_layer_ids.split(",") if x.strip()] or None,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         max_length=args.max_length, anchors=args.anchors, save_every=args.save_every, max_minutes=args.max_minutes,
-        pause_after_minutes=args.pause_after_minutes, seed=args.seed,
+        pause_after_minutes=args.pause_after_minutes, seed=args.seed, init_from=args.init_from,
     )
     out = train(model, tokenizer, examples, cfg, resume=args.resume, started=started)
     print(f"draft written to {out}")

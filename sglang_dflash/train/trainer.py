@@ -47,6 +47,7 @@ class TrainConfig:
     pause_after_minutes: Optional[float] = None  # save and stop this long after the command began; resume goes on
     loss_chunk: int = 8192  # rows of lm_head logits alive at once (they are recomputed in backward)
     seed: int = 0
+    init_from: Optional[str] = None  # a draft checkpoint of the same shape to start from (not resumed: new schedule)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -245,6 +246,9 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     torch.manual_seed(cfg.seed)
     draft = ReferenceDraft(DFlashDraftConfig.from_dict(config)).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if cfg.init_from:
+        init_draft_from(draft, cfg.init_from)
+        log(f"initialised from {cfg.init_from}")
     start, trained_s = 0, 0.0
     state_path = os.path.join(cfg.out_dir, "trainer_state.pt")
     if resume and os.path.isfile(state_path):
@@ -297,6 +301,17 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         if done:
             break
     return cfg.out_dir
+
+
+def init_draft_from(draft: ReferenceDraft, path: str) -> None:
+    """Copy a checkpoint's weights into ``draft``; refuses one of another shape, naming the tensor."""
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    own = draft.state_dict()
+    for name, value in own.items():
+        if name not in tensors or tensors[name].shape != value.shape:
+            got = tuple(tensors[name].shape) if name in tensors else "missing"
+            raise SystemExit(f"--init-from {path}: tensor {name} is {got}, this draft needs {tuple(value.shape)}")
+    draft.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own})
 
 
 def load_trained_draft(path: str, device="cpu") -> ReferenceDraft:
