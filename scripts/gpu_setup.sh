@@ -8,7 +8,10 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 parts=/tmp/devkit-parts
 mkdir -p $parts
 # No-clobber: a script that sources this again does not copy the parts again.
-for d in "$here"/.carry[0-9]; do [ -d "$d" ] && cp -n "$d"/*.part* "$d"/manifest.sha256 $parts/ 2>/dev/null; done
+# A carried folder without parts (a dataset, say) is skipped, also under `set -e`.
+for d in "$here"/.carry[0-9]; do
+    [ -f "$d/manifest.sha256" ] && { cp -n "$d"/*.part* "$d"/manifest.sha256 $parts/ 2>/dev/null || true; }
+done
 [ -f "$here/.carry5/gguf_to_hf.py" ] && cp "$here/.carry5/gguf_to_hf.py" $parts/
 
 have_parts() {  # have_parts kit|gguf: all parts of the manifest are stashed, with the right checksums
