@@ -12,7 +12,7 @@ from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
 from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, lm_loss, load_trained_draft, lr_at, run_progress,
-                                        train)
+                                        split_eval, train)
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
@@ -145,6 +145,23 @@ def test_init_from_starts_with_the_given_weights_and_refuses_another_shape(tiny_
                                                 **{**base, "draft_layers": 2}), log=lambda *a: None)
 
 
+def test_held_out_examples_are_scored_at_each_save_and_never_trained_on(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    train_part, held = split_eval(examples, 4, seed=0)
+    assert len(held) == 4 and len(train_part) == len(examples) - 4
+    assert not {id(e) for e in held} & {id(e) for e in train_part}
+    assert held == split_eval(examples, 4, seed=0)[1]  # the same on a resume
+    out = str(tmp_path / "draft")
+    cfg = TrainConfig(out_dir=out, block_size=4, draft_layers=1, batch_size=4, anchors=8, max_length=96,
+                      steps=10, save_every=5, lr=3e-3, eval_examples=4)
+    train(model, tok, examples, cfg, log=lambda *a: None)
+    rows = [json.loads(x) for x in open(os.path.join(out, "eval_log.jsonl"))]
+    assert [r["step"] for r in rows] == [5, 10]
+    assert all(r["eval_loss"] > 0 and 0 <= r["eval_acc"] <= 1 for r in rows)
+    with pytest.raises(SystemExit, match="leaves nothing to train on"):
+        split_eval(examples, len(examples), seed=0)
+
+
 def test_chunked_lm_loss_equals_the_whole_loss_with_its_gradient():
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
@@ -167,6 +184,27 @@ def test_lr_schedule_follows_whichever_budget_runs_out_first():
     assert lr_at(0.05, cfg) == pytest.approx(5e-4) and lr_at(0.1, cfg) == pytest.approx(1e-3)
     assert lr_at(0.55, cfg) == pytest.approx(5e-4) and lr_at(1.0, cfg) == pytest.approx(0.0, abs=1e-12)
     assert run_progress(100, 1e9, TrainConfig(out_dir="-", steps=1000)) == 0.1  # no time budget
+
+
+def test_plot_train_log_draws_runs_in_sequence_and_refuses_other_files(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_train_log", os.path.join(
+        os.path.dirname(__file__), "..", "scripts", "plot_train_log.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    logs = []
+    for run in range(2):
+        path = tmp_path / f"log{run}.jsonl"
+        path.write_text("".join(json.dumps({"step": s, "loss": 5.0 / s, "acc": s / 50}) + "\n" for s in range(1, 41)))
+        logs.append(str(path))
+    assert plot.moving_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    out = tmp_path / "curve.png"
+    assert plot.main(logs + ["--labels", "a", "b", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(SystemExit, match="not a train_log"):
+        plot.main([str(tmp_path / "bad.jsonl"), "--out", str(out)])
 
 
 def test_held_out_prompts_never_reach_training(tmp_path):

@@ -47,6 +47,7 @@ class TrainConfig:
     pause_after_minutes: Optional[float] = None  # save and stop this long after the command began; resume goes on
     loss_chunk: int = 8192  # rows of lm_head logits alive at once (they are recomputed in backward)
     seed: int = 0
+    eval_examples: int = 0  # held out of training; their loss and accuracy go to eval_log.jsonl at each save
     init_from: Optional[str] = None  # a draft checkpoint of the same shape to start from (not resumed: new schedule)
     extra: dict = field(default_factory=dict)
 
@@ -216,6 +217,33 @@ def run_progress(step: int, elapsed_s: float, cfg: TrainConfig) -> float:
     return max(by_steps, elapsed_s / (60 * cfg.max_minutes)) if cfg.max_minutes else by_steps
 
 
+def split_eval(examples: Sequence[Example], n: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """A fixed random ``n`` examples held out of training (the same ones on every resume)."""
+    if n <= 0:
+        return list(examples), []
+    if n >= len(examples):
+        raise SystemExit(f"--eval-examples {n} leaves nothing to train on ({len(examples)} examples)")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n])
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+
+
+@torch.no_grad()
+def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int) -> dict:
+    """Loss and accuracy on held-out examples, with anchors fixed by the seed (comparable across steps)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    device = target.embed.device
+    loss_sum, acc_sum, batches = 0.0, 0.0, 0
+    for i in range(0, len(examples), cfg.batch_size):
+        ids, attn, loss_mask = collate(examples[i:i + cfg.batch_size], cfg.max_length, pad)
+        anchors = sample_anchors(loss_mask, cfg.anchors, gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, acc = loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
+        loss_sum, acc_sum, batches = loss_sum + float(loss), acc_sum + float(acc), batches + 1
+    return {"eval_loss": loss_sum / batches, "eval_acc": acc_sum / batches}
+
+
 def save_checkpoint(draft: ReferenceDraft, config: dict, out_dir: str, dtype=torch.bfloat16,
                     state: Optional[dict] = None) -> None:
     """The exact z-lab layout: config.json + model.safetensors (no embedding, no lm_head)."""
@@ -268,7 +296,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         log(f"the training budget is spent (step {start}, {trained_s / 60:.1f} min): nothing to resume")
         return cfg.out_dir
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
-    pool = list(examples)
+    pool, held_out = split_eval(examples, cfg.eval_examples, cfg.seed)
     t0 = time.monotonic()
     started = t0 if started is None else started
     for step in bar:
@@ -298,6 +326,11 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
                 for h in history:
                     f.write(json.dumps(h) + "\n")
             history.clear()
+            if held_out:
+                row = {"step": step + 1, **evaluate(draft, target, held_out, cfg, mask_id, pad)}
+                with open(os.path.join(cfg.out_dir, "eval_log.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                bar.write(f"step {step + 1}: held-out loss {row['eval_loss']:.3f}, accuracy {row['eval_acc']:.3f}")
         if done:
             break
     return cfg.out_dir
