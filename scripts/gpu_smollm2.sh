@@ -8,7 +8,7 @@
 # The tree carries the shipped draft (24 MB), so each run holds one part and little else:
 #   runs 1-5, carrying .carry1 .. .carry5:  source scripts/gpu_setup.sh || true   (or any GPU test command)
 #   then, carrying .bench-data:             bash scripts/gpu_smollm2.sh train      (regenerates, trains; again: resumes)
-#   or, carrying .bench-eval:               bash scripts/gpu_smollm2.sh measure [IMPLS] | extra
+#   or, carrying .bench-eval:               bash scripts/gpu_smollm2.sh measure [IMPLS] | profile | extra
 # The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS
 }
 gpu_model $target
 data=.bench-data; [ -d $data ] || data=.bench-eval
-case "${1:?train|measure|extra}" in
+case "${1:?train|measure|profile|extra}" in
 train)  # regenerates once, then trains TRAIN_MINUTES in all, PAUSE_MINUTES per run: run it again to resume
     python3 -c "from transformers import AutoTokenizer as T; t=T.from_pretrained('$target'); print({i: t.convert_ids_to_tokens(i) for i in range(17)})"
     # The mask is a special row the chat never emits: id 16 is <empty_output> (printed above).
@@ -49,6 +49,11 @@ train)  # regenerates once, then trains TRAIN_MINUTES in all, PAUSE_MINUTES per 
     [ -n "${EXAMPLES:-}" ] || xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;
 measure)  # AR, the plugin and the built-in on the trained draft (the one trained on this machine if any)
     bench ${2:-ar,plugin,builtin} $draft trained 1,8,32 16 ;;
+profile)  # where a step's time goes, plugin vs built-in on this pair, at concurrency 1 and 32
+    for c in 1 32; do
+        python3 scripts/profile_step.py --model-path $target --draft-model-path $draft --concurrency $c \
+            --steps 30 --max-new-tokens 1024 --server-args "$flags" --output-dir "$out/profile-c$c"
+    done ;;
 extra)  # the untrained draft (same layout, --steps 0) and NGRAM on the same prompts
     python3 -m sglang_dflash.train --target $target --out $draft-untrained --block-size 16 --draft-layers 3 \
         --mask-token-id 16 --steps 0
