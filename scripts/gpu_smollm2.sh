@@ -41,7 +41,8 @@ train)  # regenerates once, then trains TRAIN_MINUTES in all, PAUSE_MINUTES per 
     python3 -m sglang_dflash.train --target $target --out $draft --data-dir .bench-data \
         --datasets sharegpt,gsm8k,mbpp,mt-bench --per-dataset ${PER_DATASET:-12000} --max-new-tokens 384 \
         --block-size 16 --draft-layers 3 --mask-token-id 16 --steps 1000000 --anchors ${ANCHORS:-64} \
-        --lr ${LR:-1e-3} --batch-size 16 --eval-examples ${EVAL_EXAMPLES:-256} --save-every 500 --max-minutes ${TRAIN_MINUTES:-20} --pause-after-minutes ${PAUSE_MINUTES:-9} \
+        --lr ${LR:-1e-3} --batch-size 16 --eval-examples ${EVAL_EXAMPLES:-256} --save-every 500 \
+        --max-minutes ${TRAIN_MINUTES:-20} --pause-after-minutes ${PAUSE_MINUTES:-9} \
         $resume 2>&1 | tr '\r' '\n' | awk 'NR % 500 == 0 || !/^training draft:/'
     tail -n 2 $draft/train_log.jsonl
     python3 -c "import torch; s=torch.load('$draft/trainer_state.pt', weights_only=False); print('step', s['step'], 'trained min', round(s['train_seconds'] / 60, 2))"
