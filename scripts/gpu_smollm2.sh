@@ -45,7 +45,8 @@ train)  # regenerates once, then trains TRAIN_MINUTES in all, PAUSE_MINUTES per 
         --max-minutes ${TRAIN_MINUTES:-20} --pause-after-minutes ${PAUSE_MINUTES:-9} \
         $resume 2>&1 | tr '\r' '\n' | awk 'NR % 500 == 0 || !/^training draft:/'
     tail -n 2 $draft/train_log.jsonl
-    python3 -c "import torch; s=torch.load('$draft/trainer_state.pt', weights_only=False); print('step', s['step'], 'trained min', round(s['train_seconds'] / 60, 2))"
+    python3 -c "import torch; s=torch.load('$draft/trainer_state.pt', weights_only=False)
+print('step', s['step'], 'trained min', round(s['train_seconds'] / 60, 2))"
     cp $draft/config.json $draft/train_log.jsonl "$out"/ && split -b 15m $draft/model.safetensors "$out"/draft.part
     [ -n "${EXAMPLES:-}" ] || xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;
 measure)  # AR, the plugin and the built-in on the trained draft (the one trained on this machine if any)

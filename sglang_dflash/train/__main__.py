@@ -38,7 +38,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--anchors", type=int, default=64,
-                    help="blocks per sequence and step; on a time budget 64 trained faster than 256 (results/smollm2-draft)")
+                    help="blocks per sequence and step; on a time budget 64 trained faster than 256 "
+                         "(results/smollm2-draft)")
     ap.add_argument("--eval-examples", type=int, default=0,
                     help="hold this many examples out; their loss and accuracy go to OUT/eval_log.jsonl at each save")
     ap.add_argument("--save-every", type=int, default=500)
