@@ -187,12 +187,8 @@ def test_lr_schedule_follows_whichever_budget_runs_out_first():
 
 
 def test_plot_train_log_draws_runs_in_sequence_and_refuses_other_files(tmp_path):
-    import importlib.util
+    from scripts import plot_train_log as plot
 
-    spec = importlib.util.spec_from_file_location("plot_train_log", os.path.join(
-        os.path.dirname(__file__), "..", "scripts", "plot_train_log.py"))
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
     logs = []
     for run in range(2):
         path = tmp_path / f"log{run}.jsonl"

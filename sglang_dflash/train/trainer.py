@@ -203,6 +203,16 @@ def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, lo
     return lm_loss(hidden[keep], target.lm_head, labels[keep], weights[keep], cfg.loss_chunk)
 
 
+def batch_loss(draft, target: FrozenTarget, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int,
+               generator: torch.Generator):
+    """Loss and accuracy of one batch of examples, anchors drawn from ``generator`` (bf16 autocast on CUDA)."""
+    ids, attn, loss_mask = collate(examples, cfg.max_length, pad)
+    anchors = sample_anchors(loss_mask, cfg.anchors, generator)
+    device = target.embed.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
+
+
 def lr_at(progress: float, cfg: TrainConfig) -> float:
     """Linear warm-up then cosine decay over ``progress`` in [0, 1] of the run."""
     warm = max(cfg.warmup_ratio, 1e-6)
@@ -233,13 +243,9 @@ def split_eval(examples: Sequence[Example], n: int, seed: int) -> tuple[list[Exa
 def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int) -> dict:
     """Loss and accuracy on held-out examples, with anchors fixed by the seed (comparable across steps)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    device = target.embed.device
     loss_sum, acc_sum, batches = 0.0, 0.0, 0
     for i in range(0, len(examples), cfg.batch_size):
-        ids, attn, loss_mask = collate(examples[i:i + cfg.batch_size], cfg.max_length, pad)
-        anchors = sample_anchors(loss_mask, cfg.anchors, gen)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, acc = loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
+        loss, acc = batch_loss(draft, target, examples[i:i + cfg.batch_size], cfg, mask_id, pad, gen)
         loss_sum, acc_sum, batches = loss_sum + float(loss), acc_sum + float(acc), batches + 1
     return {"eval_loss": loss_sum / batches, "eval_acc": acc_sum / batches}
 
@@ -302,12 +308,9 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     for step in bar:
         progress = run_progress(step, trained_s + time.monotonic() - t0, cfg)
         batch = rng.sample(pool, min(cfg.batch_size, len(pool)))
-        ids, attn, loss_mask = collate(batch, cfg.max_length, pad)
-        anchors = sample_anchors(loss_mask, cfg.anchors, gen)
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, cfg)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, acc = loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
+        loss, acc = batch_loss(draft, target, batch, cfg, mask_id, pad, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
