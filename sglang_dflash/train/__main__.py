@@ -24,10 +24,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m sglang_dflash.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model folder (Hugging Face layout)")
     ap.add_argument("--out", required=True, help="output folder for the draft checkpoint")
-    ap.add_argument("--datasets", default="sharegpt,gsm8k,mbpp,mt-bench")
+    ap.add_argument("--datasets", default="sharegpt,gsm8k,mbpp,mt-bench", help="'' regenerates nothing")
     ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/sglang-dflash/datasets"))
     ap.add_argument("--per-dataset", type=int, default=2000)
     ap.add_argument("--max-new-tokens", type=int, default=512, help="length of regenerated responses")
+    ap.add_argument("--extra-examples", default="",
+                    help="comma list of examples.jsonl[.xz] regenerated earlier, trained on with the new ones")
     ap.add_argument("--engine", choices=["auto", "sglang", "hf"], default="auto")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=3)
@@ -55,6 +57,10 @@ def parse_args(argv=None):
         ap.error("--block-size >= 2, --draft-layers >= 1 and --steps >= 0 are required")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         ap.error(f"--target {args.target!r} has no config.json")
+    args.extra_examples = [p for p in args.extra_examples.split(",") if p]
+    missing = [p for p in args.extra_examples if not os.path.isfile(p)]
+    if missing:
+        ap.error(f"--extra-examples: no such file {missing[0]!r}")
     return args
 
 
@@ -67,17 +73,25 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     cache = os.path.join(args.out, "examples.jsonl")
+    examples = []
     if args.steps == 0:
-        examples = []
+        pass
     elif os.path.isfile(cache):
         examples = load_examples(cache)
         print(f"{len(examples)} regenerated examples from {cache}", file=sys.stderr)
     else:
-        prompts = training_prompts(args.datasets.split(","), args.data_dir, args.per_dataset)
-        print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
-        examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer,
-                              max_prompt_tokens=args.max_length - 64)
+        prompts = training_prompts([d for d in args.datasets.split(",") if d], args.data_dir, args.per_dataset)
+        if prompts:
+            print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
+            examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer,
+                                  max_prompt_tokens=args.max_length - 64)
         save_examples(examples, cache)
+    for path in args.extra_examples if args.steps else ():
+        extra = load_examples(path)
+        print(f"{len(extra)} earlier examples from {path}", file=sys.stderr)
+        examples += extra
+    if args.steps and not examples:
+        raise SystemExit("no training examples: give --datasets or --extra-examples")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device)
     cfg = TrainConfig(

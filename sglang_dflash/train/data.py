@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0}
+HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0,
+            "math": 0}  # math: training only (MATH test without MATH-500)
 
 
 def read_cached_prompts(name: str, data_dir: str) -> list[str]:
@@ -113,6 +114,9 @@ def save_examples(examples: Sequence[Example], path: str) -> None:
 
 
 def load_examples(path: str, limit: Optional[int] = None) -> list[Example]:
-    with open(path) as f:
+    """Examples saved by :func:`save_examples`; a ``.xz`` file is read compressed."""
+    import lzma
+
+    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [Example(r["ids"], r["response_start"]) for r in rows[:limit]]
