@@ -8,12 +8,15 @@ For every implementation (and block size) it starts a server on localhost, runs 
 at every concurrency (cache flushed, one warm-up wave excluded), stops the server, and writes
 ``results.json`` (every raw figure), ``report.md`` (tok/s (speedup) grids and accept lengths)
 and PNG plots into ``--output-dir``. ``--skip-launch --base-url URL`` measures a running server.
+``--interleave`` keeps every server up at once and lets them take turns wave by wave, so a drift in
+the machine's speed (host-bound small models vary by tens of percent between runs) falls on all alike.
 Standard library only on the client side; matplotlib and tqdm are used when installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -471,6 +474,9 @@ def parse_args(argv=None):
     ap.add_argument("--tp-size", type=int)
     ap.add_argument("--mem-fraction-static", type=float)
     ap.add_argument("--server-args", default="", help="extra flags passed to every server, one string")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all servers up at once, taking turns wave by wave (give each a small KV pool: "
+                         "--server-args '--max-total-tokens N')")
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url")
     ap.add_argument("--base-url", default="http://127.0.0.1:30000")
     ap.add_argument("--output-dir", default="bench-out")
@@ -507,6 +513,8 @@ def parse_args(argv=None):
         ap.error("--waves must be >= 0")
     if args.skip_launch and len(args.impls) != 1:
         ap.error("--skip-launch measures one running server: name exactly one --impls")
+    if args.skip_launch and args.interleave:
+        ap.error("--interleave launches its servers: it cannot be combined with --skip-launch")
     return args
 
 
@@ -551,25 +559,59 @@ def level_workload(payloads: list[dict], concurrency: int, waves: int) -> list[d
     return [payloads[i % len(payloads)] for i in range(n)] if payloads else []
 
 
-def measure(url: str, label: str, impl: str, datasets: dict, args) -> list[dict]:
+def warm_up(url: str, payloads: list[dict], conc: int, desc: str) -> None:
+    """Radix cache flushed, then one wave that is not measured."""
+    try:
+        get_json(url + "/flush_cache")
+    except (OSError, ValueError):
+        pass
+    run_requests(url, payloads[:conc], conc, desc=f"{desc} warm-up")
+
+
+def level_row(url: str, spec: "ServerSpec", dataset: str, conc: int, results: list, wall: float) -> dict:
+    row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
+    row["server_after"] = server_info(url)
+    row["kv_after"] = kv_loads(url)
+    acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""
+    print(f"[{spec.label}] {dataset} c={conc} n={row['requests']} tok/s={row['output_tok_s']:.1f}{acc} "
+          f"errors={row['errors']}", flush=True)
+    return row
+
+
+def measure(url: str, spec: "ServerSpec", datasets: dict, args) -> list[dict]:
     rows = []
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
-            try:
-                get_json(url + "/flush_cache")
-            except (OSError, ValueError):
-                pass
-            warm = payloads[:conc]
-            run_requests(url, warm, conc, desc=f"{label} {dataset} c{conc} warm-up")
+            warm_up(url, payloads, conc, f"{spec.label} {dataset} c{conc}")
             work = level_workload(payloads, conc, args.waves)
-            results, wall = run_requests(url, work, conc, desc=f"{label} {dataset} c{conc}")
-            row = {"impl": impl, "label": label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
-            row["server_after"] = server_info(url)
-            row["kv_after"] = kv_loads(url)
-            rows.append(row)
-            acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""
-            print(f"[{label}] {dataset} c={conc} n={row['requests']} tok/s={row['output_tok_s']:.1f}{acc} "
-                  f"errors={row['errors']}", flush=True)
+            results, wall = run_requests(url, work, conc, desc=f"{spec.label} {dataset} c{conc}")
+            rows.append(level_row(url, spec, dataset, conc, results, wall))
+    return rows
+
+
+def measure_interleaved(servers: list, datasets: dict, args) -> list[dict]:
+    """Every level's requests in waves of ``concurrency``; for each wave every server runs it, the
+    order rotating by one from wave to wave. Each server's figures add up its own waves."""
+    rows = []
+    for dataset, payloads in datasets.items():
+        for conc in args.concurrencies:
+            for server in servers:
+                warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
+            work = level_workload(payloads, conc, args.waves)
+            waves = [work[i:i + conc] for i in range(0, len(work), conc)]
+            done = {server.spec.label: ([], 0.0, []) for server in servers}
+            for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
+                for server in servers[k % len(servers):] + servers[:k % len(servers)]:
+                    results, wall = run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}")
+                    got, total, per_wave = done[server.spec.label]
+                    got += results
+                    per_wave.append(round(summarize(results, wall)["output_tok_s"], 1))
+                    done[server.spec.label] = (got, total + wall, per_wave)
+            for server in servers:
+                results, wall, per_wave = done[server.spec.label]
+                row = level_row(server.url, server.spec, dataset, conc, results, wall)
+                row["wave_tok_s"] = per_wave
+                rows.append(row)
     return rows
 
 
@@ -594,18 +636,42 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
         specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
+    if args.interleave:
+        return sweep_interleaved(args, specs, datasets, log_dir)
     for spec in specs:
         if args.skip_launch:
-            rows += measure(args.base_url, spec.label, spec.impl, datasets, args)
+            rows += measure(args.base_url, spec, datasets, args)
             continue
         log = os.path.join(log_dir, f"server-{spec.label}.log")
         try:
             with Server(spec, log_path=log, timeout_s=args.startup_timeout) as server:
-                rows += measure(server.url, spec.label, spec.impl, datasets, args)
+                rows += measure(server.url, spec, datasets, args)
         except ServerError as e:
             print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
             failures.append({"label": spec.label, "error": str(e), "log_tail": e.log_tail})
         write_results(args, rows, failures)  # after every server, so a cut-off sweep keeps what it measured
+    return rows, failures
+
+
+def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[list[dict], list[dict]]:
+    """All servers up together (started one after another: each sizes its KV pool from the memory
+    the others left), then :func:`measure_interleaved`. A server that fails to start is reported and
+    the others are measured."""
+    failures = []
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for spec in specs:
+            server = Server(spec, log_path=os.path.join(log_dir, f"server-{spec.label}.log"), timeout_s=args.startup_timeout)
+            try:
+                server.start()
+            except ServerError as e:
+                print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
+                failures.append({"label": spec.label, "error": str(e), "log_tail": e.log_tail})
+                continue
+            stack.callback(server.stop)
+            servers.append(server)
+        rows = measure_interleaved(servers, datasets, args) if servers else []
+    write_results(args, rows, failures)
     return rows, failures
 
 

@@ -219,6 +219,29 @@ def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_mode
         assert os.path.getsize(tmp_path / png) > 1000
 
 
+def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_dir, monkeypatch):
+    def command(self, port):
+        if self.impl == "builtin":
+            return [sys.executable, "-c", "raise SystemExit(3)"]
+        return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if self.impl == "ar" else "4"]
+
+    monkeypatch.setattr(bench.ServerSpec, "command", command)
+    turns, run = [], bench.run_requests
+    monkeypatch.setattr(bench, "run_requests", lambda url, work, conc, desc="": turns.append(desc) or run(url, work, conc, desc))
+    rc = bench.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
+                     "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
+                     "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
+    res = json.load(open(tmp_path / "results.json"))
+    assert rc == 1 and [f["label"] for f in res["server_failures"]] == ["builtin"]  # the others still measured
+    measured = [t for t in turns if "wave" in t and "warm-up" not in t]
+    assert measured == ["ar wave 0", "plugin wave 0", "plugin wave 1", "ar wave 1", "ar wave 2", "plugin wave 2"]
+    rows = {r["label"]: r for r in res["rows"]}
+    assert rows["ar"]["requests"] == rows["plugin"]["requests"] == 3
+    assert len(rows["plugin"]["wave_tok_s"]) == 3 and rows["plugin"]["accept_length"] > 2
+    assert rows["plugin"]["output_tok_s"] == pytest.approx(
+        rows["plugin"]["output_tokens"] / rows["plugin"]["wall_s"])
+
+
 def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data_dir, monkeypatch):
     """AR and plugin in one sweep, the built-in in another: one report, speedups across both."""
     accept = {"ar": "1", "plugin": "4", "builtin": "3"}
