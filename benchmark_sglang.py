@@ -294,6 +294,31 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = r["output_tok_s"] / base if base else None
 
 
+def paired_wave_table(by: dict, datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
+    """Interleaved runs: ``a`` over ``b`` wave by wave (same prompts, adjacent in time), where
+    the totals alone would hide how much single waves swing."""
+    cells = {}
+    for d in datasets:
+        for c in concs:
+            ra, rb = by.get((d, a, c)), by.get((d, b, c))
+            if ra and rb and ra.get("wave_tok_s") and rb.get("wave_tok_s"):
+                ratios = [x / y for x, y in zip(ra["wave_tok_s"], rb["wave_tok_s"]) if y]
+                if ratios:
+                    cells[(d, c)] = (statistics.median(ratios), min(ratios), max(ratios),
+                                     sum(r >= 1 for r in ratios), len(ratios))
+    if not cells:
+        return []
+    lines = [f"## {a} / {b}, wave by wave (interleaved): median [min, max], waves where {a} >= {b}", "",
+             "| concurrency | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+    for c in concs:
+        row = []
+        for d in datasets:
+            m = cells.get((d, c))
+            row.append(f"{m[0]:.2f}x [{m[1]:.2f}, {m[2]:.2f}], {m[3]}/{m[4]}" if m else "-")
+        lines.append(f"| {c} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
     lines = ["# DFLASH benchmark", ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()] + [""]
@@ -325,6 +350,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
                 cells = [f"{by[(d, lab, c)]['accept_length']:.2f}" if by.get((d, lab, c)) and by[(d, lab, c)]["accept_length"] else "-" for d in datasets]
                 lines.append(f"| {lab} | {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += paired_wave_table(by, datasets, concs)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -240,6 +240,17 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert len(rows["plugin"]["wave_tok_s"]) == 3 and rows["plugin"]["accept_length"] > 2
     assert rows["plugin"]["output_tok_s"] == pytest.approx(
         rows["plugin"]["output_tokens"] / rows["plugin"]["wall_s"])
+    assert "wave by wave" not in open(tmp_path / "report.md").read()  # no built-in to pair with
+
+
+def test_report_pairs_interleaved_waves():
+    def row(label, waves):
+        return {"label": label, "dataset": "gsm8k", "concurrency": 8, "wave_tok_s": waves}
+
+    by = {("gsm8k", r["label"], 8): r for r in (row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0]))}
+    table = bench.paired_wave_table(by, ["gsm8k"], [8])
+    assert table[-2] == "| 8 | 1.20x [0.90, 2.00], 2/3 |"
+    assert bench.paired_wave_table({("gsm8k", "plugin", 8): row("plugin", [1.0])}, ["gsm8k"], [8]) == []
 
 
 def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data_dir, monkeypatch):
