@@ -11,8 +11,8 @@ from sglang_dflash.config import TargetInfo, load_and_validate
 from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
-from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, lm_loss, load_trained_draft, lr_at, run_progress,
-                                        split_eval, train)
+from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, block_accept_lengths, lm_loss, load_trained_draft,
+                                        lr_at, run_progress, split_eval, train)
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
@@ -157,7 +157,7 @@ def test_held_out_examples_are_scored_at_each_save_and_never_trained_on(tiny_tar
     train(model, tok, examples, cfg, log=lambda *a: None)
     rows = [json.loads(x) for x in open(os.path.join(out, "eval_log.jsonl"))]
     assert [r["step"] for r in rows] == [5, 10]
-    assert all(r["eval_loss"] > 0 and 0 <= r["eval_acc"] <= 1 for r in rows)
+    assert all(r["eval_loss"] > 0 and 0 <= r["eval_acc"] <= 1 and 1 <= r["eval_accept_len"] <= 4 for r in rows)
     with pytest.raises(SystemExit, match="leaves nothing to train on"):
         split_eval(examples, len(examples), seed=0)
 
@@ -168,14 +168,36 @@ def test_chunked_lm_loss_equals_the_whole_loss_with_its_gradient():
     lm_head = torch.randn(50, 16)
     labels = torch.randint(0, 50, (37,))
     weights = torch.rand(37)
-    whole, whole_acc = lm_loss(hidden, lm_head, labels, weights, chunk=1000)
+    whole, whole_hits = lm_loss(hidden, lm_head, labels, weights, chunk=1000)
     (g_whole,) = torch.autograd.grad(whole, hidden)
-    chunked, chunked_acc = lm_loss(hidden, lm_head, labels, weights, chunk=5)
+    chunked, chunked_hits = lm_loss(hidden, lm_head, labels, weights, chunk=5)
     (g_chunked,) = torch.autograd.grad(chunked, hidden)
     ce = torch.nn.functional.cross_entropy(hidden @ lm_head.T, labels, reduction="none")
     assert whole.item() == pytest.approx(((ce * weights).sum() / weights.sum()).item(), rel=1e-5)
-    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5) and chunked_acc == whole_acc
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5)
+    assert torch.equal(chunked_hits, whole_hits) and torch.equal(whole_hits, (hidden @ lm_head.T).argmax(-1) == labels)
     torch.testing.assert_close(g_chunked, g_whole)
+
+
+def test_block_accept_lengths_follow_the_serving_rule():
+    from sglang_dflash.reference import accept_block
+
+    torch.manual_seed(1)
+    rows, blocks, size = 3, 4, 5
+    candidates = torch.randint(0, 3, (rows * blocks, size))  # a small vocabulary: long matching runs
+    targets = torch.randint(0, 3, (rows * blocks, size))
+    expected = accept_block(candidates, targets).commit_len.view(rows, blocks)
+    supervised = torch.ones(rows, blocks, size, dtype=torch.bool)
+    supervised[..., 0] = False  # slot 0 is the given token, never a label
+    flags = torch.zeros(rows, blocks, size, dtype=torch.bool)
+    flags[..., 1:] = (candidates[:, 1:] == targets[:, :-1]).view(rows, blocks, size - 1)
+    supervised[2, 3, 2:] = False  # a block cut by the end of the response after one draft slot
+    valid = torch.ones(rows, blocks, dtype=torch.bool)
+    valid[1, 0] = False  # an unused anchor slot
+    got = block_accept_lengths(flags[supervised], supervised.view(rows, -1), valid, size)
+    expected[2, 3] = 1 + int(flags[2, 3, 1])
+    assert got.tolist() == expected[valid].tolist()
+    assert expected.max() > 2  # the draws include accepted runs
 
 
 def test_lr_schedule_follows_whichever_budget_runs_out_first():

@@ -169,25 +169,38 @@ def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, de
 def _chunk_loss(hidden, lm_head, labels, weights):
     logits = hidden.to(lm_head.dtype) @ lm_head.T
     ce = F.cross_entropy(logits.float(), labels, reduction="none")
-    return (ce * weights).sum(), (logits.argmax(-1) == labels).sum()
+    return (ce * weights).sum(), logits.argmax(-1) == labels
 
 
 def lm_loss(hidden, lm_head, labels, weights, chunk: int):
-    """Weighted same-position cross-entropy and accuracy over rows of ``hidden``.
+    """Weighted same-position cross-entropy over rows of ``hidden``, and which rows' argmax is the label.
 
     Vocabulary-wide logits for every block slot do not fit at once (61k rows x 49k vocab is 12 GB
     in float32), so rows go through lm_head in chunks that are recomputed in backward.
     """
     from torch.utils.checkpoint import checkpoint
 
-    total, correct = hidden.new_zeros((), dtype=torch.float32), 0
+    total, hits = hidden.new_zeros((), dtype=torch.float32), []
     for i in range(0, hidden.shape[0], chunk):
         args = (hidden[i:i + chunk], lm_head, labels[i:i + chunk], weights[i:i + chunk])
-        part, hits = checkpoint(_chunk_loss, *args, use_reentrant=False) if hidden.requires_grad else _chunk_loss(*args)
-        total, correct = total + part, correct + hits
-    loss = total / weights.sum().clamp(min=1e-6)
-    acc = correct.float() / labels.numel() if labels.numel() else loss.new_zeros(())
-    return loss, acc
+        part, hit = checkpoint(_chunk_loss, *args, use_reentrant=False) if hidden.requires_grad else _chunk_loss(*args)
+        total = total + part
+        hits.append(hit)
+    hits = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return total / weights.sum().clamp(min=1e-6), hits
+
+
+def block_accept_lengths(hits: torch.Tensor, supervised: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """Tokens one verify step would commit for each real block: the draft slots that equal the
+    target's token, counted from slot 1 up to the first miss, plus the bonus (as ``accept_block``).
+
+    ``hits``: one flag per supervised slot, in order; ``supervised``: ``[B, blocks * block_size]``;
+    ``valid``: ``[B, blocks]``, False for unused anchor slots. An unsupervised slot ends a block.
+    """
+    grid = torch.zeros(supervised.shape, dtype=torch.bool, device=hits.device)
+    grid[supervised] = hits
+    grid = grid.view(*valid.shape, block_size)[..., 1:]
+    return (grid.long().cumprod(-1).sum(-1) + 1)[valid]
 
 
 def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, loss_mask, anchors, cfg: TrainConfig,
@@ -200,12 +213,15 @@ def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, lo
     ctx_pos = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
     hidden = draft(target.embed[block_ids].to(feats.dtype), pos, feats, ctx_pos, masks)
     keep = labels >= 0
-    return lm_loss(hidden[keep], target.lm_head, labels[keep], weights[keep], cfg.loss_chunk)
+    loss, hits = lm_loss(hidden[keep], target.lm_head, labels[keep], weights[keep], cfg.loss_chunk)
+    acc = hits.float().mean() if hits.numel() else loss.new_zeros(())
+    return loss, acc, block_accept_lengths(hits, keep, anchors >= 0, cfg.block_size)
 
 
 def batch_loss(draft, target: FrozenTarget, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int,
                generator: torch.Generator):
-    """Loss and accuracy of one batch of examples, anchors drawn from ``generator`` (bf16 autocast on CUDA)."""
+    """Loss, accuracy and per-block accept lengths of one batch of examples, anchors drawn from
+    ``generator`` (bf16 autocast on CUDA)."""
     ids, attn, loss_mask = collate(examples, cfg.max_length, pad)
     anchors = sample_anchors(loss_mask, cfg.anchors, generator)
     device = target.embed.device
@@ -241,13 +257,18 @@ def split_eval(examples: Sequence[Example], n: int, seed: int) -> tuple[list[Exa
 
 @torch.no_grad()
 def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int) -> dict:
-    """Loss and accuracy on held-out examples, with anchors fixed by the seed (comparable across steps)."""
+    """Loss, accuracy and accept length on held-out examples, with anchors fixed by the seed
+    (comparable across steps). The accept length is what greedy serving would see on these
+    responses, which the target wrote itself: tokens per verify step, the bonus included."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    loss_sum, acc_sum, batches = 0.0, 0.0, 0
+    loss_sum, acc_sum, batches, accepted = 0.0, 0.0, 0, []
     for i in range(0, len(examples), cfg.batch_size):
-        loss, acc = batch_loss(draft, target, examples[i:i + cfg.batch_size], cfg, mask_id, pad, gen)
+        loss, acc, accept = batch_loss(draft, target, examples[i:i + cfg.batch_size], cfg, mask_id, pad, gen)
         loss_sum, acc_sum, batches = loss_sum + float(loss), acc_sum + float(acc), batches + 1
-    return {"eval_loss": loss_sum / batches, "eval_acc": acc_sum / batches}
+        accepted.append(accept.float())
+    accepted = torch.cat(accepted)
+    return {"eval_loss": loss_sum / batches, "eval_acc": acc_sum / batches,
+            "eval_accept_len": float(accepted.mean()) if accepted.numel() else None}
 
 
 def save_checkpoint(draft: ReferenceDraft, config: dict, out_dir: str, dtype=torch.bfloat16,
@@ -310,7 +331,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         batch = rng.sample(pool, min(cfg.batch_size, len(pool)))
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, cfg)
-        loss, acc = batch_loss(draft, target, batch, cfg, mask_id, pad, gen)
+        loss, acc, _ = batch_loss(draft, target, batch, cfg, mask_id, pad, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -333,7 +354,8 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
                 row = {"step": step + 1, **evaluate(draft, target, held_out, cfg, mask_id, pad)}
                 with open(os.path.join(cfg.out_dir, "eval_log.jsonl"), "a") as f:
                     f.write(json.dumps(row) + "\n")
-                bar.write(f"step {step + 1}: held-out loss {row['eval_loss']:.3f}, accuracy {row['eval_acc']:.3f}")
+                bar.write(f"step {step + 1}: held-out loss {row['eval_loss']:.3f}, accuracy {row['eval_acc']:.3f}, "
+                          f"accept length {row['eval_accept_len']:.2f}")
         if done:
             break
     return cfg.out_dir
