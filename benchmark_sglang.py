@@ -687,7 +687,8 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
     with contextlib.ExitStack() as stack:
         servers = []
         for spec in specs:
-            server = Server(spec, log_path=os.path.join(log_dir, f"server-{spec.label}.log"), timeout_s=args.startup_timeout)
+            log = os.path.join(log_dir, f"server-{spec.label}.log")
+            server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
             try:
                 server.start()
             except ServerError as e:

@@ -227,7 +227,8 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
 
     monkeypatch.setattr(bench.ServerSpec, "command", command)
     turns, run = [], bench.run_requests
-    monkeypatch.setattr(bench, "run_requests", lambda url, work, conc, desc="": turns.append(desc) or run(url, work, conc, desc))
+    monkeypatch.setattr(bench, "run_requests",
+                        lambda url, work, conc, desc="": turns.append(desc) or run(url, work, conc, desc))
     rc = bench.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
                      "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
                      "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
@@ -247,7 +248,8 @@ def test_report_pairs_interleaved_waves():
     def row(label, waves):
         return {"label": label, "dataset": "gsm8k", "concurrency": 8, "wave_tok_s": waves}
 
-    by = {("gsm8k", r["label"], 8): r for r in (row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0]))}
+    pair = (row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0]))
+    by = {("gsm8k", r["label"], 8): r for r in pair}
     table = bench.paired_wave_table(by, ["gsm8k"], [8])
     assert table[-2] == "| 8 | 1.20x [0.90, 2.00], 2/3 |"
     assert bench.paired_wave_table({("gsm8k", "plugin", 8): row("plugin", [1.0])}, ["gsm8k"], [8]) == []
