@@ -261,3 +261,23 @@ def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_pa
     with pytest.raises(SystemExit):
         cli.parse_args(base + ["--out", "o", "--extra-examples", str(tmp_path / "missing.jsonl")])
     assert "--extra-examples: no such file" in capsys.readouterr().err
+
+
+def test_offline_accept_length_runs_the_reference_loop_on_benchmark_prompts(tiny_target, tmp_path):
+    from scripts import offline_accept_length as offline
+
+    path, model, tok, examples = tiny_target
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    cfg = TrainConfig(out_dir=str(tmp_path / "draft"), block_size=4, draft_layers=1, steps=0)
+    train(model, tok, examples, cfg, log=lambda *a: None)
+    out = tmp_path / "tau.json"
+    assert offline.main(["--target", path, "--draft", cfg.out_dir, "--datasets", "gsm8k", "--data-dir", str(data),
+                         "--num-prompts", "3", "--max-new-tokens", "12", "--output", str(out)]) == 0
+    got = json.loads(out.read_text())["datasets"]["gsm8k"]
+    assert len(got["per_prompt"]) == 3 and 3 <= got["completion_tokens"] <= 36
+    assert got["accept_length"] == pytest.approx(got["completion_tokens"] / got["verify_steps"])
+    assert 1 <= got["accept_length"] <= 4
+    with pytest.raises(SystemExit):
+        offline.main(["--target", path, "--draft", str(tmp_path / "none")])
