@@ -73,13 +73,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     cache = os.path.join(args.out, "examples.jsonl")
-    examples = []
-    if args.steps == 0:
-        pass
-    elif os.path.isfile(cache):
+    examples = []  # --steps 0 writes the untrained draft: no data needed
+    if args.steps and os.path.isfile(cache):
         examples = load_examples(cache)
         print(f"{len(examples)} regenerated examples from {cache}", file=sys.stderr)
-    else:
+    elif args.steps:
         prompts = training_prompts([d for d in args.datasets.split(",") if d], args.data_dir, args.per_dataset)
         if prompts:
             print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
