@@ -596,6 +596,8 @@ def warm_up(url: str, payloads: list[dict], conc: int, desc: str) -> None:
 
 def level_row(url: str, spec: "ServerSpec", dataset: str, conc: int, results: list, wall: float) -> dict:
     row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
+    # In workload order, so a request can be set beside another implementation's or a reference run's.
+    row["per_request"] = [[r.completion_tokens, r.spec_verify_ct] if r.ok else None for r in results]
     row["server_after"] = server_info(url)
     row["kv_after"] = kv_loads(url)
     acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""

@@ -239,6 +239,9 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     rows = {r["label"]: r for r in res["rows"]}
     assert rows["ar"]["requests"] == rows["plugin"]["requests"] == 3
     assert len(rows["plugin"]["wave_tok_s"]) == 3 and rows["plugin"]["accept_length"] > 2
+    per_request = rows["plugin"]["per_request"]
+    assert len(per_request) == 3 and sum(t for t, _ in per_request) == rows["plugin"]["output_tokens"]
+    assert sum(v for _, v in per_request) == rows["plugin"]["spec_verify_ct"]
     assert rows["plugin"]["output_tok_s"] == pytest.approx(
         rows["plugin"]["output_tokens"] / rows["plugin"]["wall_s"])
     assert "wave by wave" not in open(tmp_path / "report.md").read()  # no built-in to pair with
