@@ -627,18 +627,16 @@ def measure_interleaved(servers: list, datasets: dict, args) -> list[dict]:
                 warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
             work = level_workload(payloads, conc, args.waves)
             waves = [work[i:i + conc] for i in range(0, len(work), conc)]
-            done = {server.spec.label: ([], 0.0, []) for server in servers}
+            waves_run = {server.spec.label: [] for server in servers}  # (results, wall) per wave
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
                 for server in servers[k % len(servers):] + servers[:k % len(servers)]:
-                    results, wall = run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}")
-                    got, total, per_wave = done[server.spec.label]
-                    got += results
-                    per_wave.append(round(summarize(results, wall)["output_tok_s"], 1))
-                    done[server.spec.label] = (got, total + wall, per_wave)
+                    waves_run[server.spec.label].append(
+                        run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
             for server in servers:
-                results, wall, per_wave = done[server.spec.label]
-                row = level_row(server.url, server.spec, dataset, conc, results, wall)
-                row["wave_tok_s"] = per_wave
+                runs = waves_run[server.spec.label]
+                results = [r for wave_results, _ in runs for r in wave_results]
+                row = level_row(server.url, server.spec, dataset, conc, results, sum(wall for _, wall in runs))
+                row["wave_tok_s"] = [round(summarize(*run)["output_tok_s"], 1) for run in runs]
                 rows.append(row)
     return rows
 
@@ -700,7 +698,6 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
             stack.callback(server.stop)
             servers.append(server)
         rows = measure_interleaved(servers, datasets, args) if servers else []
-    write_results(args, rows, failures)
     return rows, failures
 
 
