@@ -204,7 +204,7 @@ def block_accept_lengths(hits: torch.Tensor, supervised: torch.Tensor, valid: to
 
 
 def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, loss_mask, anchors, cfg: TrainConfig,
-                      mask_token_id: int):
+                      mask_token_id: int, accept_lengths: bool = False):
     device = target.embed.device
     ids, attn, loss_mask, anchors = (t.to(device) for t in (ids, attn, loss_mask, anchors))
     block_ids, pos, labels, weights = block_batch(ids, loss_mask, anchors, cfg.block_size, mask_token_id, cfg.decay)
@@ -215,18 +215,20 @@ def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, lo
     keep = labels >= 0
     loss, hits = lm_loss(hidden[keep], target.lm_head, labels[keep], weights[keep], cfg.loss_chunk)
     acc = hits.float().mean() if hits.numel() else loss.new_zeros(())
-    return loss, acc, block_accept_lengths(hits, keep, anchors >= 0, cfg.block_size)
+    # Only the held-out evaluation asks for accept lengths: the training step skips the extra work.
+    accepted = block_accept_lengths(hits, keep, anchors >= 0, cfg.block_size) if accept_lengths else None
+    return loss, acc, accepted
 
 
 def batch_loss(draft, target: FrozenTarget, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int,
-               generator: torch.Generator):
-    """Loss, accuracy and per-block accept lengths of one batch of examples, anchors drawn from
-    ``generator`` (bf16 autocast on CUDA)."""
+               generator: torch.Generator, accept_lengths: bool = False):
+    """Loss, accuracy and (if asked) per-block accept lengths of one batch of examples, anchors
+    drawn from ``generator`` (bf16 autocast on CUDA)."""
     ids, attn, loss_mask = collate(examples, cfg.max_length, pad)
     anchors = sample_anchors(loss_mask, cfg.anchors, generator)
     device = target.embed.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        return loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id)
+        return loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id, accept_lengths)
 
 
 def lr_at(progress: float, cfg: TrainConfig) -> float:
@@ -263,7 +265,8 @@ def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_
     gen = torch.Generator().manual_seed(cfg.seed)
     loss_sum, acc_sum, batches, accepted = 0.0, 0.0, 0, []
     for i in range(0, len(examples), cfg.batch_size):
-        loss, acc, accept = batch_loss(draft, target, examples[i:i + cfg.batch_size], cfg, mask_id, pad, gen)
+        loss, acc, accept = batch_loss(draft, target, examples[i:i + cfg.batch_size], cfg, mask_id, pad, gen,
+                                       accept_lengths=True)
         loss_sum, acc_sum, batches = loss_sum + float(loss), acc_sum + float(acc), batches + 1
         accepted.append(accept.float())
     accepted = torch.cat(accepted)
