@@ -21,12 +21,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def accept_length(results) -> float:
-    """Completion tokens over verify steps, summed over responses."""
-    steps = sum(len(r.accept_lengths) for r in results)
-    return sum(len(r.tokens) for r in results) / steps if steps else float("nan")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model folder (Hugging Face layout)")
@@ -67,10 +61,11 @@ def main(argv=None) -> int:
                 results.append(speculative_generate(
                     target, propose, render(tokenizer, prompt), args.max_new_tokens, draft.cfg.block_size,
                     draft.cfg.mask_token_id, draft.cfg.target_layer_ids, stop_ids=[tokenizer.eos_token_id]))
+        tokens, steps = sum(len(r.tokens) for r in results), sum(len(r.accept_lengths) for r in results)
         report["datasets"][name] = {
-            "accept_length": accept_length(results),
-            "completion_tokens": sum(len(r.tokens) for r in results),
-            "verify_steps": sum(len(r.accept_lengths) for r in results),
+            "accept_length": tokens / steps if steps else float("nan"),
+            "completion_tokens": tokens,
+            "verify_steps": steps,
             "per_prompt": [round(len(r.tokens) / max(len(r.accept_lengths), 1), 3) for r in results],
         }
         print(f"{name}: accept length {report['datasets'][name]['accept_length']:.3f}", flush=True)
