@@ -11,8 +11,8 @@ from sglang_dflash.config import TargetInfo, load_and_validate
 from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
-from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, block_accept_lengths, lm_loss, load_trained_draft,
-                                        lr_at, run_progress, split_eval, train)
+from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, block_accept_lengths, block_batch, lm_loss,
+                                        load_trained_draft, lr_at, run_progress, split_eval, train)
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
@@ -200,6 +200,44 @@ def test_block_accept_lengths_follow_the_serving_rule():
     assert expected.max() > 2  # the draws include accepted runs
 
 
+def test_target_labels_are_greedy_choices_cut_where_the_text_leaves_the_greedy_path():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    anchors = torch.tensor([[1]])
+    greedy = torch.full_like(ids, 0)
+    greedy[0, :-1] = ids[0, 1:]  # greedy text: the target's choices are the text itself
+    as_text = block_batch(ids, loss_mask, anchors, 4, 99, 7.0)
+    as_target = block_batch(ids, loss_mask, anchors, 4, 99, 7.0, greedy)
+    for a, b in zip(as_text, as_target):
+        assert torch.equal(a, b)
+    assert as_text[2].tolist() == [[-100, 7, 8, 9]]
+    greedy[0, 2] = 42  # after 6, 7 the target would say 42: the text steps off its path at slot 2
+    block_ids, pos, labels, weights = block_batch(ids, loss_mask, anchors, 4, 99, 7.0, greedy)
+    assert block_ids.tolist() == [[6, 99, 99, 99]] and pos.tolist() == [[1, 2, 3, 4]]
+    assert labels.tolist() == [[-100, 7, 42, -100]]  # slot 3's context (the text's 8) is never served
+    assert (weights > 0).tolist() == [[False, True, True, False]]
+
+
+def test_sampled_prefixes_give_several_greedy_paths_per_prompt(tiny_target):
+    path, model, tok, _ = tiny_target
+    torch.manual_seed(0)
+    got = regenerate(path, PROMPTS[:4], max_new_tokens=20, engine="hf", hf_model=model, tokenizer=tok,
+                     samples=3, sampled_prefix=3, temperature=3.0)
+    assert len(got) == 12
+    for i, e in enumerate(got):
+        prompt = render(tok, PROMPTS[i // 3])
+        assert e.ids[:len(prompt)] == prompt and e.response_start == len(prompt)
+        head = e.ids[:len(prompt) + 3]
+        rest = e.ids[len(head):]
+        if tok.eos_token_id in e.ids[len(prompt):len(head)]:
+            assert rest == []
+            continue
+        greedy = model.generate(torch.tensor([head]), max_new_tokens=17, do_sample=False,
+                                pad_token_id=tok.eos_token_id)[0, len(head):].tolist()
+        assert rest == greedy  # only the prefix is sampled
+    assert len({tuple(e.ids) for e in got}) > 4  # the samples of a prompt differ
+
+
 def test_lr_schedule_follows_whichever_budget_runs_out_first():
     cfg = TrainConfig(out_dir="-", steps=1000, lr=1e-3, warmup_ratio=0.1, max_minutes=10)
     assert run_progress(100, 0.0, cfg) == 0.1 and run_progress(100, 300.0, cfg) == 0.5
@@ -239,6 +277,9 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit):
         cli.parse_args(["--target", str(tmp_path), "--out", "o", "--block-size", "1"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--target", str(tmp_path), "--out", "o", "--samples", "4"])
+    assert "--samples > 1 needs --sampled-prefix" in capsys.readouterr().err
 
 
 def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_path, capsys):

@@ -31,6 +31,13 @@ def parse_args(argv=None):
     ap.add_argument("--extra-examples", default="",
                     help="comma list of examples.jsonl[.xz] regenerated earlier, trained on with the new ones")
     ap.add_argument("--engine", choices=["auto", "sglang", "hf"], default="auto")
+    ap.add_argument("--samples", type=int, default=1, help="responses regenerated per prompt")
+    ap.add_argument("--sampled-prefix", type=int, default=0,
+                    help="the first N response tokens are sampled (at --temperature), the rest greedy")
+    ap.add_argument("--temperature", type=float, default=1.0, help="for --sampled-prefix")
+    ap.add_argument("--labels", choices=["target", "text"], default="target",
+                    help="target: the target's greedy next token, while the text is on its greedy path; "
+                         "text: the response tokens")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--target-layer-ids", default="", help="comma list; default: evenly from 1 to n-3")
@@ -55,6 +62,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.block_size < 2 or args.draft_layers < 1 or args.steps < 0:
         ap.error("--block-size >= 2, --draft-layers >= 1 and --steps >= 0 are required")
+    if args.samples < 1 or args.sampled_prefix < 0 or args.temperature <= 0:
+        ap.error("--samples >= 1, --sampled-prefix >= 0 and --temperature > 0 are required")
+    if args.samples > 1 and not args.sampled_prefix:
+        ap.error("--samples > 1 needs --sampled-prefix: greedy responses to one prompt are all the same")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         ap.error(f"--target {args.target!r} has no config.json")
     args.extra_examples = [p for p in args.extra_examples.split(",") if p]
@@ -82,7 +93,8 @@ def main(argv=None) -> int:
         if prompts:
             print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
             examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer,
-                                  max_prompt_tokens=args.max_length - 64)
+                                  max_prompt_tokens=args.max_length - 64, samples=args.samples,
+                                  sampled_prefix=args.sampled_prefix, temperature=args.temperature)
         save_examples(examples, cache)
     for path in args.extra_examples if args.steps else ():
         extra = load_examples(path)
@@ -98,7 +110,7 @@ def main(argv=None) -> int:
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         max_length=args.max_length, anchors=args.anchors, save_every=args.save_every, max_minutes=args.max_minutes,
         pause_after_minutes=args.pause_after_minutes, seed=args.seed, init_from=args.init_from,
-        eval_examples=args.eval_examples,
+        eval_examples=args.eval_examples, labels=args.labels,
     )
     out = train(model, tokenizer, examples, cfg, resume=args.resume, started=started)
     print(f"draft written to {out}")

@@ -53,17 +53,21 @@ def regenerate(
     engine: str = "auto",
     hf_model=None,
     tokenizer=None,
-    temperature: float = 0.0,
     max_prompt_tokens: Optional[int] = None,
+    samples: int = 1,
+    sampled_prefix: int = 0,
+    temperature: float = 1.0,
 ) -> list[Example]:
     """Responses written by the target itself, so the draft learns the target's distribution.
 
+    Responses are greedy. With ``sampled_prefix`` N each prompt gets ``samples`` responses whose
+    first N tokens are sampled at ``temperature`` and the rest greedy: new greedy paths from a
+    few prompts (what serving will meet) rather than ``samples`` copies of one.
     ``engine="sglang"`` uses ``sglang.Engine`` (GPU), ``"hf"`` uses transformers ``generate``;
     ``"auto"`` prefers SGLang when a GPU is present.
     """
     import torch
 
-    prompts = list(prompts)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -71,40 +75,79 @@ def regenerate(
     encoded = [render(tokenizer, p) for p in prompts]
     if max_prompt_tokens is not None:  # longer prompts would be cut off in training anyway
         encoded = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+    encoded = [ids for ids in encoded for _ in range(samples)]
     if engine == "auto":
         engine = "sglang" if torch.cuda.is_available() else "hf"
-    params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
-    out: list[Example] = []
-    if engine == "sglang":
+    generator = _SGLangGenerator(target_path) if engine == "sglang" else _HFGenerator(target_path, hf_model, tokenizer)
+    with generator as gen:
+        if not sampled_prefix:
+            return [Example(ids + out, len(ids)) for ids, (out, _) in zip(encoded, gen(encoded, max_new_tokens, 0.0))]
+        prefixes = gen(encoded, sampled_prefix, temperature)
+        heads = [ids + out for ids, (out, _) in zip(encoded, prefixes)]
+        open_ends = [i for i, (_, finished) in enumerate(prefixes) if not finished]
+        rest = gen([heads[i] for i in open_ends], max_new_tokens - sampled_prefix, 0.0) if open_ends else []
+        for i, (out, _) in zip(open_ends, rest):
+            heads[i] = heads[i] + out
+        return [Example(ids, len(prompt)) for ids, prompt in zip(heads, encoded)]
+
+
+class _SGLangGenerator:
+    """``gen(inputs, max_new_tokens, temperature) -> [(new_ids, finished)]`` on one ``sglang.Engine``."""
+
+    def __init__(self, target_path: str):
+        self.target_path = target_path
+
+    def __enter__(self):
         import sglang
 
-        llm = sglang.Engine(model_path=target_path, attention_backend="triton", grammar_backend="none",
-                            log_level="warning", mem_fraction_static=0.5,
-                            cuda_graph_backend_prefill="disabled")  # piecewise capture: slow start, no gain here
-        try:
-            results = llm.generate(input_ids=encoded, sampling_params=params)
-        finally:
-            llm.shutdown()
-        for ids, r in zip(encoded, results):
-            out.append(Example(ids + list(r["output_ids"]), len(ids)))
+        self.llm = sglang.Engine(model_path=self.target_path, attention_backend="triton", grammar_backend="none",
+                                 log_level="warning", mem_fraction_static=0.5,
+                                 cuda_graph_backend_prefill="disabled")  # piecewise capture: slow start, no gain here
+        return self
+
+    def __exit__(self, *exc):
+        self.llm.shutdown()
+
+    def __call__(self, inputs, max_new_tokens: int, temperature: float):
+        results = self.llm.generate(input_ids=inputs, sampling_params={"max_new_tokens": max_new_tokens,
+                                                                        "temperature": temperature})
+        return [(list(r["output_ids"]), r["meta_info"]["finish_reason"]["type"] != "length") for r in results]
+
+
+class _HFGenerator:
+    """The same interface on transformers ``generate``, one prompt at a time (CPU, tests)."""
+
+    def __init__(self, target_path: str, model, tokenizer):
+        self.target_path, self.model, self.tokenizer = target_path, model, tokenizer
+
+    def __enter__(self):
+        if self.model is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32).eval()
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def __call__(self, inputs, max_new_tokens: int, temperature: float):
+        import torch
+        from tqdm import tqdm
+
+        device = next(self.model.parameters()).device
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for ids in tqdm(inputs, desc="regenerating responses", leave=False):
+            with torch.no_grad():
+                gen = self.model.generate(
+                    torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                    do_sample=temperature > 0, temperature=temperature or None, top_p=None, top_k=None,
+                    pad_token_id=self.tokenizer.pad_token_id or eos,
+                )
+            new = gen[0, len(ids):].tolist()
+            out.append((new, eos in new))
         return out
-    from tqdm import tqdm
-
-    model = hf_model
-    if model is None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    device = next(model.parameters()).device
-    for ids in tqdm(encoded, desc="regenerating responses", leave=False):
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0, temperature=temperature or None, top_p=None, top_k=None,
-                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            )
-        out.append(Example(gen[0].tolist(), len(ids)))
-    return out
 
 
 def save_examples(examples: Sequence[Example], path: str) -> None:

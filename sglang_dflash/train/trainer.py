@@ -6,6 +6,11 @@ forward: queries are the blocks, keys are the target's tapped features for the w
 (visible strictly before the anchor) plus the blocks (visible only inside their own block;
 sliding layers causally). Slot k is trained to predict the token at ``a+k`` (same-position
 labels, k >= 1) with weight ``exp(-(k-1)/gamma)``. Embedding and lm_head are the target's, frozen.
+
+With ``labels="target"`` (the default) the label of slot k is the target's own greedy choice after
+``a+k-1``, and a slot counts only while the text before it stays on the target's greedy path. That
+is what greedy verification accepts, so responses sampled at a temperature train the draft as
+cleanly as greedy ones. ``labels="text"`` takes the response tokens as they are.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class TrainConfig:
     max_length: int = 1024
     anchors: int = 64
     gamma: Optional[float] = None  # loss decay; default 7 for block 16, scaled with the block
+    labels: str = "target"  # "target": the target's greedy next token (on its greedy path); "text": the response
     grad_clip: float = 1.0
     save_every: int = 500
     max_minutes: Optional[float] = None  # training-time budget over all resumes; the LR schedule follows it
@@ -66,9 +72,10 @@ class FrozenTarget:
         self.lm_head = model.get_output_embeddings().weight
 
     @torch.no_grad()
-    def features(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def features(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+        """Tapped features ``[B, T, n_taps * H]`` and the greedy next token after every position ``[B, T]``."""
         out = self.model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True)
-        return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1), out.logits.argmax(-1)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor):
@@ -149,8 +156,14 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator) 
     return anchors
 
 
-def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, decay: float):
-    """Block ids, positions, same-position labels and loss weights for every anchor."""
+def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, decay: float,
+                greedy: Optional[torch.Tensor] = None):
+    """Block ids, positions, same-position labels and loss weights for every anchor.
+
+    ``greedy`` (``[B, T]``, the target's greedy token after each position) makes the labels the
+    target's choices. Slot k then counts only if the text's tokens at slots 1..k-1 are those
+    choices too: past a step off the greedy path, serving would never see that context.
+    """
     B, T = ids.shape
     offs = torch.arange(block_size, device=ids.device)
     valid = anchors >= 0
@@ -160,6 +173,12 @@ def block_batch(ids, loss_mask, anchors, block_size: int, mask_token_id: int, de
     supervised = loss_mask.gather(1, pos.clamp(max=T - 1).flatten(1)).view_as(pos) & in_seq & valid[..., None]
     block_ids = torch.full_like(pos, mask_token_id)
     block_ids[..., 0] = gathered[..., 0]
+    if greedy is not None:
+        chosen = greedy.gather(1, (pos - 1).clamp(0, T - 1).flatten(1)).view_as(pos)
+        on_path = torch.ones_like(supervised)
+        on_path[..., 2:] = (gathered == chosen)[..., 1:-1].long().cumprod(-1).bool()
+        supervised &= on_path
+        gathered = chosen
     labels = torch.where(supervised, gathered, torch.full_like(gathered, -100))
     labels[..., 0] = -100  # slot 0 is the given token
     weights = torch.exp(-(offs.clamp(min=1) - 1).float() / decay).expand_as(pos) * (labels >= 0)
@@ -207,8 +226,9 @@ def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, lo
                       mask_token_id: int, accept_lengths: bool = False):
     device = target.embed.device
     ids, attn, loss_mask, anchors = (t.to(device) for t in (ids, attn, loss_mask, anchors))
-    block_ids, pos, labels, weights = block_batch(ids, loss_mask, anchors, cfg.block_size, mask_token_id, cfg.decay)
-    feats = target.features(ids, attn)
+    feats, greedy = target.features(ids, attn)
+    block_ids, pos, labels, weights = block_batch(ids, loss_mask, anchors, cfg.block_size, mask_token_id, cfg.decay,
+                                                  greedy if cfg.labels == "target" else None)
     masks = draft.layer_masks(anchors, ids.shape[1])
     ctx_pos = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
     hidden = draft(target.embed[block_ids].to(feats.dtype), pos, feats, ctx_pos, masks)
