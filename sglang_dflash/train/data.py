@@ -111,7 +111,8 @@ class _SGLangGenerator:
     def __call__(self, inputs, max_new_tokens: int, temperature: float):
         results = self.llm.generate(input_ids=inputs, sampling_params={"max_new_tokens": max_new_tokens,
                                                                         "temperature": temperature})
-        return [(list(r["output_ids"]), r["meta_info"]["finish_reason"]["type"] != "length") for r in results]
+        finished = [(r["meta_info"].get("finish_reason") or {}).get("type") != "length" for r in results]
+        return [(list(r["output_ids"]), done) for r, done in zip(results, finished)]
 
 
 class _HFGenerator:
