@@ -218,6 +218,13 @@ def test_target_labels_are_greedy_choices_cut_where_the_text_leaves_the_greedy_p
     assert (weights > 0).tolist() == [[False, True, True, False]]
 
 
+def test_unknown_label_source_is_refused(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    with pytest.raises(ValueError, match="labels must be 'target' or 'text'"):
+        train(model, tok, examples, TrainConfig(out_dir=str(tmp_path / "d"), steps=1, labels="greedy"),
+              log=lambda *a: None)
+
+
 def test_sampled_prefixes_give_several_greedy_paths_per_prompt(tiny_target):
     path, model, tok, _ = tiny_target
     torch.manual_seed(0)

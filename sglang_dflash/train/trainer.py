@@ -316,6 +316,8 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     """
     from tqdm import tqdm
 
+    if cfg.labels not in ("target", "text"):
+        raise ValueError(f"TrainConfig.labels must be 'target' or 'text', got {cfg.labels!r}")
     device = next(target_model.parameters()).device
     vocab = target_model.get_input_embeddings().weight.shape[0]
     mask_id = resolve_mask_token_id(tokenizer, vocab, cfg.mask_token_id)
