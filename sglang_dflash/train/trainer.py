@@ -57,6 +57,10 @@ class TrainConfig:
     init_from: Optional[str] = None  # a draft checkpoint of the same shape to start from (not resumed: new schedule)
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if self.labels not in ("target", "text"):
+            raise ValueError(f"TrainConfig.labels must be 'target' or 'text', got {self.labels!r}")
+
     @property
     def decay(self) -> float:
         return self.gamma if self.gamma is not None else 7.0 * self.block_size / 16
@@ -316,8 +320,6 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     """
     from tqdm import tqdm
 
-    if cfg.labels not in ("target", "text"):
-        raise ValueError(f"TrainConfig.labels must be 'target' or 'text', got {cfg.labels!r}")
     device = next(target_model.parameters()).device
     vocab = target_model.get_input_embeddings().weight.shape[0]
     mask_id = resolve_mask_token_id(tokenizer, vocab, cfg.mask_token_id)
