@@ -648,6 +648,12 @@ def write_results(args, rows: list[dict], failures: list[dict]) -> dict:
     return settings
 
 
+def server_failure(spec: "ServerSpec", e: "ServerError") -> dict:
+    """Say why a server did not start; the record goes into results.json."""
+    print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
+    return {"label": spec.label, "error": str(e), "log_tail": e.log_tail}
+
+
 def sweep(args) -> tuple[list[dict], list[dict]]:
     """Launch each server in turn (or use the running one) and measure every dataset and concurrency."""
     payload_template = sampling_params(args)
@@ -673,8 +679,7 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
             with Server(spec, log_path=log, timeout_s=args.startup_timeout) as server:
                 rows += measure(server.url, spec, datasets, args)
         except ServerError as e:
-            print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
-            failures.append({"label": spec.label, "error": str(e), "log_tail": e.log_tail})
+            failures.append(server_failure(spec, e))
         write_results(args, rows, failures)  # after every server, so a cut-off sweep keeps what it measured
     return rows, failures
 
@@ -692,8 +697,7 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
             try:
                 server.start()
             except ServerError as e:
-                print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
-                failures.append({"label": spec.label, "error": str(e), "log_tail": e.log_tail})
+                failures.append(server_failure(spec, e))
                 continue
             stack.callback(server.stop)
             servers.append(server)
