@@ -56,10 +56,12 @@ print('step', s['step'], 'trained min', round(s['train_seconds'] / 60, 2))"
     xz -T0 -c $draft/examples.jsonl > "$out"/examples.jsonl.xz ;;  # what this run regenerated
 measure)  # AR, the plugin and the built-in on the trained draft (the one trained on this machine if any)
     bench ${2:-ar,plugin,builtin} $draft trained 1,8,32 16 ;;
-profile)  # where a step's time goes, plugin vs built-in on this pair, at PROFILE_CONCURRENCY (1 32)
+profile)  # where a step's time goes, plugin vs built-in on this pair, at PROFILE_CONCURRENCY (1 32);
+    # PROFILE_WAVE=1: one whole wave of 256-token requests each, the same context lengths for both
+    mode="--steps 30 --max-new-tokens 1024"; [ -n "${PROFILE_WAVE:-}" ] && mode="--wave --max-new-tokens 256"
     for c in ${PROFILE_CONCURRENCY:-1 32}; do
         python3 scripts/profile_step.py --model-path $target --draft-model-path $draft --concurrency $c \
-            --steps 30 --max-new-tokens 1024 --server-args "$flags" --output-dir "$out/profile-c$c"
+            $mode --server-args "$flags" --output-dir "$out/profile-c$c"
     done ;;
 extra)  # the untrained draft (same layout, --steps 0) and NGRAM on the same prompts
     python3 -m sglang_dflash.train --target $target --out $draft-untrained --block-size 16 --draft-layers 3 \

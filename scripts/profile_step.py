@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -23,10 +24,12 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark_sglang import Server, ServerSpec, run_requests  # noqa: E402
+from benchmark_sglang import Server, ServerSpec, run_requests, summarize  # noqa: E402
 
 
 SPEC_CODE = ("sglang_dflash/", "speculative/")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+OUTSIDE = "(outside the speculative worker)"
 
 
 def load_trace(path: str) -> list[dict]:
@@ -36,8 +39,43 @@ def load_trace(path: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def frame_name(name: str) -> str:
+    """A Python frame's name without object addresses, so both servers' traces share names."""
+    return re.sub(r" at 0x[0-9a-f]+", "", name)
+
+
+def launch_callers(python: list[dict], launches: list[dict]) -> dict:
+    """Correlation id of each kernel launch -> the speculative-worker call that made it.
+
+    The label is the innermost frame of the worker's own code and the call it made, e.g.
+    ``worker.py(336): draft_step > model_runner.py(1382): forward``: a CUDA-graph replay then
+    names the graph (draft or target), an eager op the op.
+    """
+    # One sweep over frames and launches in time order, keeping the open frames on a stack.
+    items = [(e["ts"], 0, -e["dur"], i, e) for i, e in enumerate(python)]
+    items += [(e["ts"], 1, 0, i, e) for i, e in enumerate(launches)]
+    stack: list[dict] = []
+    callers = {}
+    for ts, kind, _, _, e in sorted(items, key=lambda x: x[:4]):
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+            stack.pop()
+        if kind == 0:
+            stack.append(e)
+            continue
+        label = OUTSIDE
+        for depth in range(len(stack) - 1, -1, -1):
+            if any(k in stack[depth]["name"] for k in SPEC_CODE):
+                label = frame_name(stack[depth]["name"])
+                if depth + 1 < len(stack):
+                    label += " > " + frame_name(stack[depth + 1]["name"])
+                break
+        callers[e.get("args", {}).get("correlation")] = label
+    return callers
+
+
 def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
-    """Per-step host time by Python function (inclusive, scheduler thread) and GPU kernel totals."""
+    """Per-step host time by Python function (inclusive, scheduler thread), GPU kernel totals, and
+    each kernel's time by the worker call that launched it."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in complete if e.get("cat") == "kernel"]
     python = [e for e in complete if e.get("cat") == "python_function"]
@@ -46,25 +84,41 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
     for e in python:
         per_thread[(e.get("pid"), e.get("tid"))] += e["dur"]
     main = max(per_thread, key=per_thread.get) if per_thread else None
+    on_main = lambda e: (e.get("pid"), e.get("tid")) == main  # noqa: E731
+    python = [e for e in python if on_main(e)]
     by_function, self_time = defaultdict(float), defaultdict(float)
     calls = defaultdict(int)
     stack: list[dict] = []  # open calls; a call's self time is its duration minus its children's
-    for e in sorted((e for e in python if (e.get("pid"), e.get("tid")) == main), key=lambda e: (e["ts"], -e["dur"])):
+    for e in sorted(python, key=lambda e: (e["ts"], -e["dur"])):
         while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
             stack.pop()
+        name = frame_name(e["name"])
         if stack:
-            self_time[stack[-1]["name"]] -= e["dur"]
+            self_time[frame_name(stack[-1]["name"])] -= e["dur"]
         stack.append(e)
-        by_function[e["name"]] += e["dur"]
-        self_time[e["name"]] += e["dur"]
-        calls[e["name"]] += 1
+        by_function[name] += e["dur"]
+        self_time[name] += e["dur"]
+        calls[name] += 1
     ours = lambda n: any(k in n for k in SPEC_CODE)  # noqa: E731
-    kernel_time = defaultdict(float)
+    runtime = [e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and on_main(e)]
+    callers = launch_callers(python, runtime)
+    # Where the host waits for the GPU: synchronising calls, and copies (from pageable memory they block)
+    waits = defaultdict(float)
+    for e in runtime:
+        if re.search(r"Synchronize|Memcpy", e["name"]):
+            waits[callers.get(e.get("args", {}).get("correlation"), OUTSIDE) + " : " + e["name"]] += e["dur"]
+    kernel_time, kernel_calls = defaultdict(float), defaultdict(int)
+    by_caller = defaultdict(lambda: defaultdict(float))
     for e in kernels:
-        kernel_time[e["name"][:90]] += e["dur"]
+        name = e["name"][:90]
+        kernel_time[name] += e["dur"]
+        kernel_calls[name] += 1
+        by_caller[callers.get(e.get("args", {}).get("correlation"), OUTSIDE)][name] += e["dur"]
     span = (max(e["ts"] + e["dur"] for e in complete) - min(e["ts"] for e in complete)) if complete else 0.0
     per_step = lambda us: round(us / steps, 1)  # noqa: E731
     ranked = sorted(by_function.items(), key=lambda x: -x[1])
+    kernels_ranked = sorted(kernel_time.items(), key=lambda x: -x[1])[:top]
+    callers_ranked = sorted(by_caller.items(), key=lambda x: -sum(x[1].values()))
     return {
         "steps": steps,
         "trace_span_us_per_step": per_step(span),
@@ -75,7 +129,14 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
         "python_self_us_per_step": {n: per_step(t) for n, t in sorted(self_time.items(), key=lambda x: -x[1])[:top]},
         # every function of the speculative worker's own code, inclusive
         "spec_code_us_per_step": {n: per_step(t) for n, t in ranked if ours(n)},
-        "kernels_us_per_step": {n: per_step(t) for n, t in sorted(kernel_time.items(), key=lambda x: -x[1])[:top]},
+        "kernels_us_per_step": {n: per_step(t) for n, t in kernels_ranked},
+        "kernel_calls_per_step": {n: round(kernel_calls[n] / steps, 2) for n, _ in kernels_ranked},
+        # GPU time by the worker call that launched it, then its largest kernels
+        "gpu_us_per_step_by_caller": {c: per_step(sum(k.values())) for c, k in callers_ranked},
+        "host_wait_us_per_step_by_caller": {c: per_step(t) for c, t in sorted(waits.items(), key=lambda x: -x[1])},
+        "kernels_us_per_step_by_caller": {
+            c: {n: per_step(t) for n, t in sorted(k.items(), key=lambda x: -x[1])[:8]} for c, k in callers_ranked
+        },
     }
 
 
@@ -100,26 +161,58 @@ def wait_for_trace(trace_dir: str, timeout_s: float = 180) -> None:
         time.sleep(3)
 
 
+def post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=600).read()  # answers plain text
+
+
+def worker_steps(events: list[dict]) -> int:
+    """How many times the scheduler called the speculative worker (prefill and decode steps)."""
+    return sum(
+        1 for e in events
+        if e.get("cat") == "python_function" and e.get("name", "").endswith(": forward_batch_generation")
+        and any(k in e["name"] for k in SPEC_CODE)
+    )
+
+
 def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
+    """Steady mode: ``--steps`` steps caught mid-flight under constant load. Wave mode: one whole
+    wave of identical requests, from their prefill to their last token, so both implementations
+    are traced over the same context lengths."""
     trace_dir = os.path.join(args.trace_dir, spec.label)
     os.makedirs(trace_dir, exist_ok=True)
     payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
                                                          "ignore_eos": True}}
+    start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": True}
+    wave = None
     with Server(spec, log_path=os.path.join(out_dir, f"server-{spec.label}.log"), timeout_s=600) as server:
-        stop = threading.Event()
-        loader = keep_busy(server.url, payload, args.concurrency, stop)
-        time.sleep(args.settle_s)  # batch full, caches warm
-        start = {"output_dir": trace_dir, "num_steps": args.steps, "activities": ["CPU", "GPU"], "with_stack": True}
-        req = urllib.request.Request(server.url + "/start_profile", data=json.dumps(start).encode(),
-                                     headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=600).read()  # answers plain text
+        if args.wave:
+            run_requests(server.url, [payload] * args.concurrency, args.concurrency, desc="warm-up")
+            post(server.url + "/start_profile", start)
+            results, wall_s = run_requests(server.url, [payload] * args.concurrency, args.concurrency, desc="wave")
+            post(server.url + "/stop_profile", {})
+            wave = summarize(results, wall_s)
+        else:
+            stop = threading.Event()
+            loader = keep_busy(server.url, payload, args.concurrency, stop)
+            time.sleep(args.settle_s)  # batch full, caches warm
+            post(server.url + "/start_profile", {**start, "num_steps": args.steps})
         wait_for_trace(trace_dir)
-        stop.set()
-        loader.join(timeout=120)
+        if not args.wave:
+            stop.set()
+            loader.join(timeout=120)
     traces = sorted(glob.glob(os.path.join(trace_dir, "*.json*")))
     if not traces:
         raise SystemExit(f"{spec.label}: no trace written to {trace_dir}")
-    return {"trace": os.path.basename(traces[-1]), **summarize_trace(load_trace(traces[-1]), args.steps)}
+    events = load_trace(traces[-1])
+    steps = worker_steps(events) if args.wave else args.steps
+    if not steps:
+        raise SystemExit(f"{spec.label}: the trace holds no call of the speculative worker")
+    report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
+    if wave is not None:
+        report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
+                                               "accept_length", "wall_s", "output_tok_s")}
+    return report
 
 
 def main(argv=None) -> int:
@@ -128,7 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-model-path", required=True)
     ap.add_argument("--impls", default="plugin,builtin")
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="steady mode: steps to trace")
+    ap.add_argument("--wave", action="store_true",
+                    help="trace one whole wave of --concurrency requests instead of --steps steps mid-flight")
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.")
     ap.add_argument("--settle-s", type=float, default=8.0)

@@ -291,23 +291,50 @@ def test_from_results_names_a_missing_file(tmp_path, capsys):
 def test_step_profile_summary_splits_host_and_gpu_time():
     from scripts.profile_step import summarize_trace
 
-    ev = lambda name, cat, ts, dur, tid=1: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur,  # noqa: E731
-                                            "pid": 0, "tid": tid}
+    ev = lambda name, cat, ts, dur, tid=1, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts,  # noqa: E731
+                                                    "dur": dur, "pid": 0, "tid": tid, "args": args}
     events = [
         ev("sglang_dflash/worker.py(1): forward_batch_generation", "python_function", 0, 100),
-        ev("worker.py(2): draft_step", "python_function", 5, 40),
-        ev("worker.py(2): draft_step", "python_function", 50, 40),
+        ev("sglang_dflash/worker.py(2): draft_step", "python_function", 5, 40),
+        ev("model_runner.py(9): forward", "python_function", 6, 30),
+        ev("cudaGraphLaunch", "cuda_runtime", 7, 2, correlation=11),
+        ev("sglang_dflash/worker.py(2): draft_step", "python_function", 50, 40),
+        ev("<built-in method mm of type object at 0x7f00d8f3e180>", "python_function", 55, 5),
+        ev("cudaLaunchKernel", "cuda_runtime", 56, 1, correlation=12),
+        ev("cudaLaunchKernel", "cuda_runtime", 95, 1, correlation=13),  # in the worker, not in a step
+        ev("cudaStreamSynchronize", "cuda_runtime", 96, 3, correlation=14),
         ev("other thread", "python_function", 0, 10, tid=2),
-        ev("attn_kernel", "kernel", 10, 30, tid=7),
-        ev("gemm", "kernel", 60, 10, tid=7),
+        ev("attn_kernel", "kernel", 10, 30, tid=7, correlation=11),
+        ev("gemm", "kernel", 60, 10, tid=7, correlation=12),
+        ev("gemm", "kernel", 96, 2, tid=7, correlation=13),
+        ev("memset", "kernel", 99, 4, tid=7),  # no launch seen
         {"ph": "i", "name": "marker", "ts": 1},
     ]
     s = summarize_trace(events, steps=2)
-    assert s["python_us_per_step"] == {"sglang_dflash/worker.py(1): forward_batch_generation": 50.0,
-                                       "worker.py(2): draft_step": 40.0}
-    assert s["spec_code_us_per_step"] == {"sglang_dflash/worker.py(1): forward_batch_generation": 50.0}
-    assert s["python_calls_per_step"]["worker.py(2): draft_step"] == 1.0
-    assert s["python_self_us_per_step"] == {"worker.py(2): draft_step": 40.0,
-                                            "sglang_dflash/worker.py(1): forward_batch_generation": 10.0}
-    assert s["gpu_kernel_us_per_step"] == 20.0 and s["kernel_launches_per_step"] == 1.0
-    assert s["kernels_us_per_step"] == {"attn_kernel": 15.0, "gemm": 5.0} and s["trace_span_us_per_step"] == 50.0
+    worker, draft = "sglang_dflash/worker.py(1): forward_batch_generation", "sglang_dflash/worker.py(2): draft_step"
+    mm = "<built-in method mm of type object>"  # the object address is dropped
+    assert s["python_us_per_step"] == {worker: 50.0, draft: 40.0, "model_runner.py(9): forward": 15.0, mm: 2.5}
+    assert s["spec_code_us_per_step"] == {worker: 50.0, draft: 40.0}
+    assert s["python_calls_per_step"][draft] == 1.0
+    assert s["python_self_us_per_step"] == {draft: 22.5, "model_runner.py(9): forward": 15.0, worker: 10.0, mm: 2.5}
+    assert s["gpu_kernel_us_per_step"] == 23.0 and s["kernel_launches_per_step"] == 2.0
+    assert s["kernels_us_per_step"] == {"attn_kernel": 15.0, "gemm": 6.0, "memset": 2.0}
+    assert s["kernel_calls_per_step"]["gemm"] == 1.0 and s["trace_span_us_per_step"] == 51.5
+    assert s["gpu_us_per_step_by_caller"] == {
+        f"{draft} > model_runner.py(9): forward": 15.0, f"{draft} > {mm}": 5.0, worker: 1.0,
+        "(outside the speculative worker)": 2.0,
+    }
+    assert s["kernels_us_per_step_by_caller"][f"{draft} > {mm}"] == {"gemm": 5.0}
+    assert s["host_wait_us_per_step_by_caller"] == {f"{worker} : cudaStreamSynchronize": 1.5}
+
+
+def test_wave_profile_counts_worker_calls():
+    from scripts.profile_step import worker_steps
+
+    ev = lambda name: {"ph": "X", "cat": "python_function", "name": name, "ts": 0, "dur": 1}  # noqa: E731
+    events = [ev("sglang_dflash/worker.py(278): forward_batch_generation")] * 3 + [
+        ev("sglang/srt/speculative/dflash_worker_v2.py(1380): forward_batch_generation"),
+        ev("sglang/srt/managers/tp_worker.py(400): forward_batch_generation"),  # the target, not a step
+        ev("sglang_dflash/worker.py(336): draft_step"),
+    ]
+    assert worker_steps(events) == 4
