@@ -323,12 +323,8 @@ class DFlashWorker(BaseSpecWorker):
         if hidden is None:
             raise RuntimeError("the target returned no tapped hidden states; does it support DFLASH capture?")
         # Write now: the scheduler may insert these tokens into the radix cache right after.
-        ext = torch.tensor(batch.extend_lens, dtype=torch.int64, device=self.device)
-        pre = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=self.device)
-        first = torch.cumsum(ext, 0) - ext
-        idx = torch.arange(int(ext.sum()), device=self.device)
-        positions = idx - torch.repeat_interleave(first - pre, ext)
-        self.write_context_kv(hidden, positions, batch.out_cache_loc)
+        self.write_context_kv(hidden, extend_positions(batch.prefix_lens, batch.extend_lens, self.device),
+                              batch.out_cache_loc)
         result.logits_output.hidden_states = None
         result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
@@ -487,6 +483,14 @@ class DFlashWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.block_size,
             new_seq_lens=empty,
         )
+
+
+def extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
+    """Positions of a prefill's new tokens, request after request. Built on the host from the
+    scheduler's lists and sent without waiting: no GPU sync inside the overlap loop."""
+    ext, pre = torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(prefix_lens, dtype=torch.int64)
+    shift = torch.repeat_interleave(torch.cumsum(ext, 0) - ext - pre, ext)
+    return (torch.arange(int(ext.sum())) - shift).to(device, non_blocking=True)
 
 
 def sample_per_position(logits: torch.Tensor, info, block_size: int) -> torch.Tensor:

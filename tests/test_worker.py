@@ -9,7 +9,7 @@ from conftest import draft_config_dict
 
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.reference import ReferenceDraft
-from sglang_dflash.worker import DraftWindow, StepBuffers, mamba_track_steps
+from sglang_dflash.worker import DraftWindow, StepBuffers, extend_positions, mamba_track_steps
 
 
 def test_step_buffers_alternate_so_a_step_never_overwrites_the_previous_results():
@@ -31,6 +31,13 @@ def test_step_buffers_grow_with_the_batch_and_follow_the_seq_len_dtype():
     big = bufs.take(40, torch.int64)
     assert big["positions"].shape == (40, 2) and big["positions"].data_ptr() != small["positions"].data_ptr()
     assert bufs.take(1, torch.int32)["new_seq_lens"].dtype == torch.int32
+
+
+def test_prefill_positions_continue_each_requests_cached_prefix():
+    got = extend_positions(prefix_lens=[0, 5, 2], extend_lens=[3, 2, 4], device="cpu")
+    assert got.tolist() == [0, 1, 2, 5, 6, 2, 3, 4, 5]
+    assert got.dtype == torch.int64
+    assert extend_positions([7], [0], "cpu").numel() == 0
 
 
 # ---- hybrid targets: which verify step's recurrent state becomes the radix checkpoint --------
