@@ -30,6 +30,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.runtime_context import get_parallel
 
 from .config import IGNORED_TENSOR_SUFFIXES, DFlashConfigError, DFlashDraftConfig, canonical_tensor_name
@@ -85,7 +86,9 @@ class DFlashAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm))
+        # One fused in-place kernel for both norms where SGLang has it (as its own Qwen3 layers do).
+        q, k = apply_qk_norm(q, k, self.q_norm, self.k_norm, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
         out, _ = self.o_proj(self.attn(q, k, v, forward_batch))
         return out
 
