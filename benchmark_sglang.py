@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import random
 import shlex
 import signal
 import socket
@@ -30,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 IMPLEMENTATIONS = {
@@ -55,6 +57,7 @@ class ServerSpec:
     block_size: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict = field(default_factory=dict)
+    cpus: Optional[tuple[int, ...]] = None  # CPU affinity of the server and all its processes
 
     def command(self, port: int) -> list[str]:
         if self.impl not in IMPLEMENTATIONS and not self.impl.startswith("spec:"):
@@ -86,6 +89,19 @@ class ServerError(RuntimeError):
         self.log_tail = log_tail
 
 
+def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """Disjoint CPU sets for ``n_servers`` servers up at once, and the rest for the client.
+
+    Unpinned, the servers' busy scheduler loops share cores as the OS moves them, and one server
+    can run slower than another for a whole run; equal private sets make their turns comparable.
+    """
+    per = len(cpus) // (n_servers + 1)
+    if per < 2:
+        raise ValueError(f"{len(cpus)} CPUs cannot give {n_servers} servers and the client two each")
+    slices = [tuple(cpus[i * per:(i + 1) * per]) for i in range(n_servers)]
+    return slices, tuple(cpus[n_servers * per:])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,8 +129,10 @@ class Server:
 
     def start(self) -> None:
         log = open(self.log_path, "w")
+        cpus = self.spec.cpus
         self.proc = subprocess.Popen(self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.spec.env(), start_new_session=True)
+                                     env=self.spec.env(), start_new_session=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         deadline = time.time() + self.timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -294,29 +312,51 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = r["output_tok_s"] / base if base else None
 
 
-def paired_wave_table(by: dict, datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
+def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
     """Interleaved runs: ``a`` over ``b`` wave by wave (same prompts, adjacent in time), where
     the totals alone would hide how much single waves swing."""
-    cells = {}
-    for d in datasets:
-        for c in concs:
-            ra, rb = by.get((d, a, c)), by.get((d, b, c))
-            if ra and rb and ra.get("wave_tok_s") and rb.get("wave_tok_s"):
-                ratios = [x / y for x, y in zip(ra["wave_tok_s"], rb["wave_tok_s"]) if y]
-                if ratios:
-                    cells[(d, c)] = (statistics.median(ratios), min(ratios), max(ratios),
-                                     sum(r >= 1 for r in ratios), len(ratios))
-    if not cells:
+    ratios = {k: v for k, v in paired_wave_ratios(rows, a, b).items() if v}
+    if not ratios:
         return []
-    lines = [f"## {a} / {b}, wave by wave (interleaved): median [min, max], waves where {a} >= {b}", "",
+    lines = [f"## {a} / {b}, wave by wave (interleaved): median [min, max], waves where {a} >= {b}; "
+             "geometric mean (95% bootstrap interval)", "",
              "| concurrency | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
     for c in concs:
-        row = []
+        cells = []
         for d in datasets:
-            m = cells.get((d, c))
-            row.append(f"{m[0]:.2f}x [{m[1]:.2f}, {m[2]:.2f}], {m[3]}/{m[4]}" if m else "-")
-        lines.append(f"| {c} | " + " | ".join(row) + " |")
+            r = ratios.get((d, c))
+            if r is None:
+                cells.append("-")
+                continue
+            st = paired_ratio_stats(r)
+            cells.append(f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}], {st['at_least_1x']}/{st['waves']}; "
+                         f"{st['geomean']:.2f}x ({st['ci95'][0]:.2f}-{st['ci95'][1]:.2f})")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def paired_ratio_stats(ratios: list[float], resamples: int = 4000, seed: int = 0) -> dict:
+    """Geometric mean of paired wave ratios with a 95% bootstrap interval (seeded): whether runs
+    this noisy tell the two servers apart at all."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if not logs:
+        raise ValueError("no positive ratios to summarise")
+    rng, n = random.Random(seed), len(logs)
+    means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))
+    lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return {"waves": n, "at_least_1x": sum(x >= 0 for x in logs), "geomean": math.exp(sum(logs) / n),
+            "ci95": [math.exp(lo), math.exp(hi)]}
+
+
+def paired_wave_ratios(rows: list[dict], a: str = "plugin", b: str = "builtin") -> dict:
+    """(dataset, concurrency) -> ``a``/``b`` tok/s ratios of the waves the two ran in turn."""
+    by = {(r["dataset"], r["label"], r["concurrency"]): r for r in rows}
+    out = {}
+    for (d, lab, c), ra in by.items():
+        rb = by.get((d, b, c))
+        if lab == a and rb and ra.get("wave_tok_s") and rb.get("wave_tok_s"):
+            out[(d, c)] = [x / y for x, y in zip(ra["wave_tok_s"], rb["wave_tok_s"]) if x and y]
+    return out
 
 
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
@@ -350,7 +390,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
                 cells = [f"{by[(d, lab, c)]['accept_length']:.2f}" if by.get((d, lab, c)) and by[(d, lab, c)]["accept_length"] else "-" for d in datasets]
                 lines.append(f"| {lab} | {c} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += paired_wave_table(by, datasets, concs)
+    lines += paired_wave_table(rows, datasets, concs)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -503,6 +543,8 @@ def parse_args(argv=None):
     ap.add_argument("--interleave", action="store_true",
                     help="all servers up at once, taking turns wave by wave (give each a small KV pool: "
                          "--server-args '--max-total-tokens N')")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="with --interleave: each server on its own equal set of CPUs, the client on the rest")
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url")
     ap.add_argument("--base-url", default="http://127.0.0.1:30000")
     ap.add_argument("--output-dir", default="bench-out")
@@ -531,6 +573,8 @@ def parse_args(argv=None):
         args.block_sizes = [int(b) for b in args.block_sizes.split(",") if b.strip()] or [None]
     except ValueError as e:
         ap.error(f"expected comma-separated integers ({e})")
+    if args.pin_cpus and not args.interleave:
+        ap.error("--pin-cpus needs --interleave (it keeps servers that run at once apart)")
     if any(c < 1 for c in args.concurrencies):
         ap.error("--concurrencies must be >= 1")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -689,6 +733,11 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
     the others left), then :func:`measure_interleaved`. A server that fails to start is reported and
     the others are measured."""
     failures = []
+    if args.pin_cpus:
+        slices, client = cpu_slices(sorted(os.sched_getaffinity(0)), len(specs))
+        specs = [replace(spec, cpus=cpus) for spec, cpus in zip(specs, slices)]
+        os.sched_setaffinity(0, client)
+        print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)}", flush=True)
     with contextlib.ExitStack() as stack:
         servers = []
         for spec in specs:

@@ -21,7 +21,8 @@ draft=/tmp/smollm2-dflash-b16
     && draft=$PWD/results/smollm2-draft
 flags="--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.5 --log-level warning"
 bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS; INTERLEAVE=1: all servers up, taking turns
-    local mode=; [ -n "${INTERLEAVE:-}" ] && mode="--interleave"
+    # (PIN_CPUS=1 as well: each on its own CPUs)
+    local mode=; [ -n "${INTERLEAVE:-}" ] && mode="--interleave${PIN_CPUS:+ --pin-cpus}"
     python3 benchmark_sglang.py --model-path $target --draft-model-path $2 --impls $1 $mode \
         --datasets gsm8k,humaneval,mt-bench --data-dir $data --num-prompts $5 --max-new-tokens 256 \
         --concurrencies $4 --waves ${WAVES:-4} --server-args "$flags${mode:+ --max-total-tokens 65536}" \

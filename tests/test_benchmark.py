@@ -251,11 +251,24 @@ def test_report_pairs_interleaved_waves():
     def row(label, waves):
         return {"label": label, "dataset": "gsm8k", "concurrency": 8, "wave_tok_s": waves}
 
-    pair = (row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0]))
-    by = {("gsm8k", r["label"], 8): r for r in pair}
-    table = bench.paired_wave_table(by, ["gsm8k"], [8])
-    assert table[-2] == "| 8 | 1.20x [0.90, 2.00], 2/3 |"
-    assert bench.paired_wave_table({("gsm8k", "plugin", 8): row("plugin", [1.0])}, ["gsm8k"], [8]) == []
+    table = bench.paired_wave_table([row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0])],
+                                    ["gsm8k"], [8])
+    # ratios 0.9, 1.2, 2.0: geometric mean (0.9 * 1.2 * 2.0) ** (1/3) = 1.29
+    assert table[-2].startswith("| 8 | 1.20x [0.90, 2.00], 2/3; 1.29x (")
+    assert bench.paired_wave_table([row("plugin", [1.0])], ["gsm8k"], [8]) == []
+
+
+def test_paired_ratio_interval_covers_the_geomean_and_narrows_with_more_waves():
+    noisy = [0.8, 1.25] * 4
+    few, many = bench.paired_ratio_stats(noisy), bench.paired_ratio_stats(noisy * 16)
+    assert few["geomean"] == pytest.approx(1.0) and few["at_least_1x"] == 4 and few["waves"] == 8
+    assert few["ci95"][0] < 1.0 < few["ci95"][1]
+    assert many["ci95"][1] - many["ci95"][0] < 0.5 * (few["ci95"][1] - few["ci95"][0])
+    clearly_faster = bench.paired_ratio_stats([1.1, 1.2, 1.15, 1.3, 1.05] * 4)
+    assert clearly_faster["ci95"][0] > 1.0
+    assert bench.paired_ratio_stats(noisy) == few  # seeded: the same figures every time
+    with pytest.raises(ValueError):
+        bench.paired_ratio_stats([])
 
 
 def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data_dir, monkeypatch):
@@ -338,3 +351,61 @@ def test_wave_profile_counts_worker_calls():
         ev("sglang_dflash/worker.py(336): draft_step"),
     ]
     assert worker_steps(events) == 4
+
+
+def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, capsys):
+    from scripts.pool_waves import main
+
+    def row(label, conc, waves, tokens, verify, dataset="gsm8k"):
+        return {"label": label, "dataset": dataset, "concurrency": conc, "wave_tok_s": waves,
+                "output_tokens": tokens, "spec_verify_ct": verify}
+
+    runs = {
+        "a": [row("plugin", 8, [110.0, 90.0], 400, 100), row("builtin", 8, [100.0, 100.0], 400, 101),
+              row("ar", 8, [50.0, 50.0], 400, 0)],
+        "b": [row("plugin", 8, [120.0], 300, 100, "mt-bench"), row("builtin", 8, [100.0], 300, 99, "mt-bench"),
+              row("plugin", 1, [100.0], 10, 5)],  # no built-in at c1 here: nothing to pair
+    }
+    paths = []
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"rows": rows}))
+        paths.append(str(tmp_path / name / "results.json"))
+    assert main(paths + ["--output-dir", str(tmp_path / "out")]) == 0
+    pooled = json.load(open(tmp_path / "out" / "pooled_waves.json"))
+    c8 = pooled["pooled"]["c8"]
+    assert list(pooled["pooled"]) == ["c8"] and c8["waves"] == 3 and c8["at_least_1x"] == 2
+    assert c8["geomean"] == pytest.approx((1.1 * 0.9 * 1.2) ** (1 / 3))
+    assert c8["plugin_accept_len"] == pytest.approx(700 / 200) and c8["builtin_accept_len"] == pytest.approx(700 / 200)
+    assert [(e["run"], e["dataset"]) for e in pooled["per_run"]] == [("a", "gsm8k"), ("b", "mt-bench")]
+    assert "| 8 | 3 | 2 | 1.059x |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "x")])
+
+
+def test_cpu_slices_keep_servers_and_client_apart():
+    slices, client = bench.cpu_slices(list(range(16)), 3)
+    assert slices == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)] and client == (12, 13, 14, 15)
+    two, rest = bench.cpu_slices([0, 2, 4, 6, 8, 10, 12], 2)
+    assert two == [(0, 2), (4, 6)] and rest == (8, 10, 12)
+    with pytest.raises(ValueError, match="two each"):
+        bench.cpu_slices(list(range(4)), 3)
+
+
+def test_pinning_needs_interleaved_servers(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model-path", "m", "--impls", "ar", "--pin-cpus"])
+    assert "--pin-cpus needs --interleave" in capsys.readouterr().err
+
+
+def test_a_pinned_server_runs_on_its_cpus(tmp_path, monkeypatch):
+    """The affinity reaches the launched process (a stand-in for sglang.launch_server)."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    spec = bench.ServerSpec("ar", "m", cpus=(cpu,))
+    out = tmp_path / "affinity"
+    monkeypatch.setattr(bench.ServerSpec, "command", lambda self, port: [
+        sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(str(sorted(os.sched_getaffinity(0))))"])
+    server = bench.Server(spec, log_path=str(tmp_path / "log"), timeout_s=5)
+    with pytest.raises(bench.ServerError, match="exited with code 0"):
+        server.start()  # the stand-in exits at once: not healthy, but it ran
+    assert out.read_text() == f"[{cpu}]"
