@@ -22,9 +22,11 @@ from benchmark_sglang import paired_ratio_stats, paired_wave_ratios  # noqa: E40
 
 
 def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> dict:
-    """runs: name -> rows of a results.json. Returns per concurrency the pooled wave statistics
-    and accept lengths, and the same per run and dataset."""
-    ratios, tokens = defaultdict(list), defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    """runs: name -> rows of a results.json. Returns per concurrency the pooled wave statistics,
+    accept lengths and each server's tok/s (all its tokens over all its seconds; a server in only
+    some runs, AR say, is pooled over those), and the wave statistics per run and dataset."""
+    ratios = defaultdict(list)
+    tokens, seconds = (defaultdict(lambda: defaultdict(lambda: [0, 0])) for _ in range(2))
     per_run = []
     for name, rows in runs.items():
         for (dataset, conc), r in sorted(paired_wave_ratios(rows, a, b).items()):
@@ -35,12 +37,16 @@ def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> 
             if row["label"] in (a, b) and row.get("spec_verify_ct"):
                 tokens[row["concurrency"]][row["label"]][0] += row["output_tokens"]
                 tokens[row["concurrency"]][row["label"]][1] += row["spec_verify_ct"]
+            if row.get("wall_s"):  # every server ran every wave: its tokens over its seconds
+                seconds[row["concurrency"]][row["label"]][0] += row["output_tokens"]
+                seconds[row["concurrency"]][row["label"]][1] += row["wall_s"]
     if not ratios:
         raise SystemExit(f"no run pairs {a} with {b} wave by wave (was it run with --interleave?)")
     pooled = {}
     for conc in sorted(ratios):
         accept = {lab: t / v for lab, (t, v) in tokens[conc].items() if v}
-        entry = {**paired_ratio_stats(ratios[conc]), f"{a}_accept_len": accept.get(a), f"{b}_accept_len": accept.get(b)}
+        entry = {**paired_ratio_stats(ratios[conc]), f"{a}_accept_len": accept.get(a), f"{b}_accept_len": accept.get(b),
+                 **{f"{lab}_tok_s": t / w for lab, (t, w) in seconds[conc].items() if w}}
         if accept.get(a) and accept.get(b):
             entry["accept_len_ratio"] = accept[a] / accept[b]
         pooled[f"c{conc}"] = entry
@@ -50,12 +56,13 @@ def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> 
 def markdown(result: dict, a: str = "plugin", b: str = "builtin") -> str:
     lines = [f"# {a} / {b}, paired waves pooled over {len(result['runs'])} interleaved runs", "",
              "| concurrency | waves | waves >= 1x | geometric mean | 95% interval | accept length "
-             f"{a} / {b} |", "|---|---|---|---|---|---|"]
+             f"{a} / {b} | tok/s {a} / {b} (AR) |", "|---|---|---|---|---|---|---|"]
     for conc, e in result["pooled"].items():
         acc = (f"{e[f'{a}_accept_len']:.3f} / {e[f'{b}_accept_len']:.3f} ({100 * (e['accept_len_ratio'] - 1):+.1f}%)"
                if "accept_len_ratio" in e else "-")
+        ar = f" ({e['ar_tok_s']:.0f})" if e.get("ar_tok_s") else ""
         lines.append(f"| {conc[1:]} | {e['waves']} | {e['at_least_1x']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} | {acc} |")
+                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} | {acc} | {e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}{ar} |")
     lines += ["", "Per run and dataset:", "", "| run | dataset | concurrency | waves | geometric mean | 95% interval |",
               "|---|---|---|---|---|---|"]
     for e in result["per_run"]:

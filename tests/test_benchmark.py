@@ -358,7 +358,7 @@ def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, cap
 
     def row(label, conc, waves, tokens, verify, dataset="gsm8k"):
         return {"label": label, "dataset": dataset, "concurrency": conc, "wave_tok_s": waves,
-                "output_tokens": tokens, "spec_verify_ct": verify}
+                "output_tokens": tokens, "spec_verify_ct": verify, "wall_s": tokens / sum(waves) * len(waves)}
 
     runs = {
         "a": [row("plugin", 8, [110.0, 90.0], 400, 100), row("builtin", 8, [100.0, 100.0], 400, 101),
@@ -378,7 +378,10 @@ def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, cap
     assert c8["geomean"] == pytest.approx((1.1 * 0.9 * 1.2) ** (1 / 3))
     assert c8["plugin_accept_len"] == pytest.approx(700 / 200) and c8["builtin_accept_len"] == pytest.approx(700 / 200)
     assert [(e["run"], e["dataset"]) for e in pooled["per_run"]] == [("a", "gsm8k"), ("b", "mt-bench")]
+    # plugin: 700 tokens in 400/100 + 300/120 s; AR only ran in "a"
+    assert c8["plugin_tok_s"] == pytest.approx(700 / (4 + 2.5)) and c8["ar_tok_s"] == pytest.approx(50.0)
     assert "| 8 | 3 | 2 | 1.059x |" in capsys.readouterr().out
+    assert "| 108 / 100 (50) |" in open(tmp_path / "out" / "pooled_waves.md").read()  # 700/6.5, 700/7, 400/8
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "x")])
 
