@@ -92,8 +92,8 @@ class ServerError(RuntimeError):
 def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """Disjoint CPU sets for ``n_servers`` servers up at once, and the rest for the client.
 
-    Unpinned, the servers' busy scheduler loops share cores as the OS moves them, and one server
-    can run slower than another for a whole run; equal private sets make their turns comparable.
+    Each server's scheduler loop spins even while it waits its turn; private sets keep the waiting
+    servers and the client off the cores of the one being measured.
     """
     per = len(cpus) // (n_servers + 1)
     if per < 2:

@@ -1,11 +1,13 @@
-"""Where a decode step's time goes: plugin DFLASH vs the built-in, under the same steady load.
+"""Where a decode step's time goes: plugin DFLASH vs the built-in, on the same work.
 
-Each implementation serves the same target and draft; while ``--concurrency`` requests keep the
-batch full, SGLang's profiler records ``--steps`` scheduler steps with Python stacks. The traces
-are summarised here (they are tens of MB): per step, the host time of every Python function
-(inclusive), the GPU kernel time and the number of launches.
+Each implementation serves the same target and draft. SGLang's profiler records, with Python
+stacks, either ``--steps`` scheduler steps while ``--concurrency`` requests keep the batch full, or
+(``--wave``) one whole wave of ``--concurrency`` identical requests, so both are traced over the same
+context lengths. The traces are summarised here (they are tens of MB): per step, the host time of
+every Python function (inclusive and self), the GPU kernel time and launches, the GPU time by the
+worker call that launched each kernel, and where the host waited on the GPU.
 
-    python scripts/profile_step.py --model-path T --draft-model-path D --output-dir OUT [--impls plugin,builtin]
+    python scripts/profile_step.py --model-path T --draft-model-path D --output-dir OUT [--impls plugin,builtin] [--wave]
 """
 
 from __future__ import annotations
