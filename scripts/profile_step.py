@@ -46,33 +46,15 @@ def frame_name(name: str) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", name)
 
 
-def launch_callers(python: list[dict], launches: list[dict]) -> dict:
-    """Correlation id of each kernel launch -> the speculative-worker call that made it.
-
-    The label is the innermost frame of the worker's own code and the call it made, e.g.
-    ``worker.py(336): draft_step > model_runner.py(1382): forward``: a CUDA-graph replay then
-    names the graph (draft or target), an eager op the op.
-    """
-    # One sweep over frames and launches in time order, keeping the open frames on a stack.
-    items = [(e["ts"], 0, -e["dur"], i, e) for i, e in enumerate(python)]
-    items += [(e["ts"], 1, 0, i, e) for i, e in enumerate(launches)]
-    stack: list[dict] = []
-    callers = {}
-    for ts, kind, _, _, e in sorted(items, key=lambda x: x[:4]):
-        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
-            stack.pop()
-        if kind == 0:
-            stack.append(e)
-            continue
-        label = OUTSIDE
-        for depth in range(len(stack) - 1, -1, -1):
-            if any(k in stack[depth]["name"] for k in SPEC_CODE):
-                label = frame_name(stack[depth]["name"])
-                if depth + 1 < len(stack):
-                    label += " > " + frame_name(stack[depth + 1]["name"])
-                break
-        callers[e.get("args", {}).get("correlation")] = label
-    return callers
+def caller_label(frames: list[dict]) -> str:
+    """The speculative-worker call that encloses a launch: its innermost frame of the worker's own
+    code and the call it made, e.g. ``worker.py(336): draft_step > model_runner.py(1382): forward``.
+    A CUDA-graph replay then names the graph (draft or target), an eager op the op."""
+    for depth in range(len(frames) - 1, -1, -1):
+        if any(k in frames[depth]["name"] for k in SPEC_CODE):
+            label = frame_name(frames[depth]["name"])
+            return label + (" > " + frame_name(frames[depth + 1]["name"]) if depth + 1 < len(frames) else "")
+    return OUTSIDE
 
 
 def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
@@ -88,12 +70,21 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
     main = max(per_thread, key=per_thread.get) if per_thread else None
     on_main = lambda e: (e.get("pid"), e.get("tid")) == main  # noqa: E731
     python = [e for e in python if on_main(e)]
+    runtime = [e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and on_main(e)]
     by_function, self_time = defaultdict(float), defaultdict(float)
     calls = defaultdict(int)
-    stack: list[dict] = []  # open calls; a call's self time is its duration minus its children's
-    for e in sorted(python, key=lambda e: (e["ts"], -e["dur"])):
-        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+    callers = {}  # correlation id of a launch -> caller_label
+    # One sweep over frames and launches in time order (a frame before its children), keeping the
+    # open frames on a stack: a call's self time is its duration minus its children's.
+    items = [(e["ts"], 0, -e["dur"], i, e) for i, e in enumerate(python)]
+    items += [(e["ts"], 1, 0, i, e) for i, e in enumerate(runtime)]
+    stack: list[dict] = []
+    for ts, is_launch, _, _, e in sorted(items, key=lambda x: x[:4]):
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
             stack.pop()
+        if is_launch:
+            callers[e.get("args", {}).get("correlation")] = caller_label(stack)
+            continue
         name = frame_name(e["name"])
         if stack:
             self_time[frame_name(stack[-1]["name"])] -= e["dur"]
@@ -102,8 +93,6 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
         self_time[name] += e["dur"]
         calls[name] += 1
     ours = lambda n: any(k in n for k in SPEC_CODE)  # noqa: E731
-    runtime = [e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and on_main(e)]
-    callers = launch_callers(python, runtime)
     # Where the host waits for the GPU: synchronising calls, and copies (from pageable memory they block)
     waits = defaultdict(float)
     for e in runtime:
