@@ -1,0 +1,429 @@
+"""Everything that differs between the SGLang releases the plugin serves, in one place.
+
+SGLang's internals move from release to release (read in full in the project's drift notes).
+The plugin touches them only through :class:`SGLangRelease`, whose switches are keyed by the
+first release that changed each thing (:data:`CHANGES`), grouped into the families below:
+
+=======  ===============  =====================================================================
+family   releases         what the plugin sees change
+=======  ===============  =====================================================================
+F2       0.5.17           the base: ``Req.update_finish_state`` checks the budget before stops;
+                          SGLang refuses ``return_logprob`` for DFLASH itself
+F3       0.5.18           stops are checked before the budget; logprob requests reach the worker
+F4       0.5.19-0.5.20    server args resolve through declarations (0.5.20 raises on a raw
+                          write); ``nxt_kv_lens_cpu``; the mamba checkpoint grid
+F5       0.5.21-0.5.23    the worker is built without ``ps``; a KV-location plan on every
+                          ``ForwardBatch`` and ``--attn-dp-size`` (0.5.22); DP attention in the
+                          built-in DFLASH (0.5.23)
+=======  ===============  =====================================================================
+
+:func:`missing_symbols` checks, without importing SGLang, that every module, class, function,
+parameter and attribute the plugin relies on exists in a given SGLang source tree; registration
+uses it to hand DFLASH to the built-in, all or nothing, when anything is missing.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+SUPPORTED = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+FAMILIES = {
+    "F2": ("0.5.17",),
+    "F3": ("0.5.18",),
+    "F4": ("0.5.19", "0.5.20"),
+    "F5": ("0.5.21", "0.5.22", "0.5.23"),
+}
+# Each change, and the first release that has it.
+CHANGES = {
+    "stops_before_budget": "0.5.18",  # Req.update_finish_state checks stops first (our fix, upstream)
+    "logprobs_reach_worker": "0.5.18",  # validate_dflash_request no longer refuses return_logprob
+    "declared_resolution": "0.5.19",  # resolving_view/declare_resolution; worker reads get_spec()
+    "nxt_kv_lens": "0.5.19",  # DFlashDraftInputV2.reserved_seq_lens_cpu -> nxt_kv_lens_cpu
+    "mamba_track_grid": "0.5.19",  # checkpoints on lcm(page grid, interval)
+    "worker_without_ps": "0.5.21",  # worker ctor and build_draft_tp_worker lose `ps`
+    "kv_loc_plan": "0.5.22",  # every ForwardBatch carries a bound KVLocPlan
+    "attn_dp_size": "0.5.22",  # DP attention is --attn-dp-size; enable_dp_attention an alias
+    "builtin_dp_attention": "0.5.23",  # the built-in DFLASH serves DP attention (CUDA)
+}
+# Draft architectures SGLang's built-in DFLASH serves and the plugin does not, by first release.
+BUILTIN_ONLY_DRAFTS = {
+    "DFlashLagunaForCausalLM": "0.5.17",
+    "MuseGlimmerAssistantModel": "0.5.18",
+    "DFlash2DraftModel": "0.5.19",
+    "DominoDraftModel": "0.5.20",
+    "LiLiCorrDraftModel": "0.5.22",
+    "DFlash2BeamDraftModel": "0.5.23",
+    "MiniMaxDFlash2DraftModel": "0.5.23",
+}
+PLUGIN_DRAFT = "DFlashDraftModel"
+HOOK_TARGETS = {
+    "create_worker": "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker",
+    "handle_dflash_args": "sglang.srt.arg_groups.speculative_hook._handle_dflash",
+    "resolve_algorithm": "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias",
+    "stop_before_length": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
+    "refuse_logprobs": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
+}
+SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """``module`` defines ``qualname`` (``Class.member`` for members), taking ``params`` if callable."""
+
+    module: str
+    qualname: str
+    params: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        shown = f"({', '.join(self.params)})" if self.params else ""
+        return f"{self.module}.{self.qualname}{shown}"
+
+
+class SGLangRelease:
+    """The SGLang release this process runs, and how the plugin talks to it."""
+
+    def __init__(self, version: str):
+        self.version = version
+        self.key = version_key(version)
+
+    def has(self, change: str) -> bool:
+        return self.key >= version_key(CHANGES[change])
+
+    @property
+    def supported(self) -> bool:
+        return self.version in SUPPORTED
+
+    @property
+    def family(self) -> Optional[str]:
+        return next((name for name, releases in FAMILIES.items() if self.version in releases), None)
+
+    # ---- server arguments ----------------------------------------------------------------
+
+    def resolving(self, server_args):
+        """What argument resolution has decided so far (raw fields before 0.5.19)."""
+        if self.has("declared_resolution"):
+            from sglang.srt.arg_groups.model_override_base import resolving_view
+
+            return resolving_view(server_args)
+        return server_args
+
+    def declare(self, server_args, **fields) -> None:
+        """Set resolved arguments: a declaration from 0.5.19 (0.5.20 raises on a raw write)."""
+        if self.has("declared_resolution"):
+            from sglang.srt.arg_groups.overrides import declare_resolution
+
+            declare_resolution(server_args, SOURCE, **fields)
+        else:
+            for name, value in fields.items():
+                setattr(server_args, name, value)
+
+    def spec_setting(self, server_args, name: str):
+        """A resolved speculative setting inside a scheduler process."""
+        if self.has("declared_resolution"):
+            from sglang.srt.runtime_context import get_spec
+
+            return getattr(get_spec(), name)
+        return getattr(server_args, name)
+
+    def dp_attention(self, args) -> bool:
+        # From 0.5.22 `--dp-size N --enable-dp-attention` is a deprecated spelling of `--attn-dp-size N`.
+        by_size = self.has("attn_dp_size") and (getattr(args, "attn_dp_size", None) or 1) > 1
+        return by_size or bool(getattr(args, "enable_dp_attention", False))
+
+    # ---- the worker ----------------------------------------------------------------------
+
+    def build_draft_worker(self, server_args, gpu_id, nccl_port, target_model_config, ps=None):
+        from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
+
+        kwargs = dict(server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port,
+                      target_model_config=target_model_config, algo_label="DFLASH")
+        if not self.has("worker_without_ps"):
+            from dataclasses import replace
+
+            kwargs["ps"] = replace(ps, pp_rank=0)
+        return build_draft_tp_worker(**kwargs)
+
+    @property
+    def reserved_lens_field(self) -> str:
+        return "nxt_kv_lens_cpu" if self.has("nxt_kv_lens") else "reserved_seq_lens_cpu"
+
+    def reserved_seq_lens_cpu(self, draft_input):
+        """Host lengths the scheduler reserved for this step (committed + a block or more)."""
+        return getattr(draft_input, self.reserved_lens_field, None)
+
+    def mamba_track_interval(self, batch) -> int:
+        """The grid on which the scheduler marks recurrent-state checkpoints."""
+        if self.has("mamba_track_grid"):
+            from sglang.srt.runtime_context import mamba_track_grid
+
+            return mamba_track_grid(batch.tree_cache.page_size)
+        from sglang.srt.runtime_context import get_exec
+
+        return get_exec().mamba.mamba_track_interval
+
+    def bind_draft_plan(self, draft_model_runner, forward_batch) -> None:
+        """The draft's hand-built ForwardBatch is its own iteration: give it its own KV plan."""
+        if self.has("kv_loc_plan"):
+            draft_model_runner.kv_index_translator.bind_own_plan(forward_batch)
+
+    # ---- what the built-in keeps ---------------------------------------------------------
+
+    def builtin_only_drafts(self) -> tuple[str, ...]:
+        return tuple(a for a, since in BUILTIN_ONLY_DRAFTS.items() if self.key >= version_key(since))
+
+    # ---- the contract --------------------------------------------------------------------
+
+    def hook_targets(self) -> dict[str, str]:
+        """The hooks this release needs, by name."""
+        targets = {name: HOOK_TARGETS[name] for name in ("create_worker", "handle_dflash_args", "resolve_algorithm")}
+        if not self.has("stops_before_budget"):
+            targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
+        if self.has("logprobs_reach_worker"):
+            targets["refuse_logprobs"] = HOOK_TARGETS["refuse_logprobs"]
+        return targets
+
+    def symbols(self) -> list[Symbol]:
+        """Every SGLang symbol the plugin touches on this release."""
+        syms = [Symbol(*split_target(target)) for target in self.hook_targets().values()]
+        spec = "sglang.srt.speculative."
+        ps = () if self.has("worker_without_ps") else ("ps",)
+        syms += [
+            Symbol("sglang.srt.plugins.hook_registry", "HookRegistry.register"),
+            Symbol("sglang.srt.plugins.hook_registry", "HookType"),
+            Symbol("sglang.srt.models.registry", "ModelRegistry"),
+            Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_cuda"),
+            Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_native"),
+            Symbol("sglang.srt.layers.layernorm", "GemmaRMSNorm.forward_cuda"),
+            Symbol("sglang.srt.models.utils", "can_use_fused_inplace_qknorm", ("head_dim", "dtype")),
+            Symbol("sglang.srt.models.utils", "apply_qk_norm"),
+            Symbol("sglang.srt.layers.activation", "SiluAndMul"),
+            Symbol("sglang.srt.layers.linear", "MergedColumnParallelLinear"),
+            Symbol("sglang.srt.layers.linear", "QKVParallelLinear"),
+            Symbol("sglang.srt.layers.linear", "RowParallelLinear"),
+            Symbol("sglang.srt.layers.logits_processor", "LogitsProcessorOutput"),
+            Symbol("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod"),
+            Symbol("sglang.srt.layers.radix_attention", "AttentionType"),
+            Symbol("sglang.srt.layers.radix_attention", "RadixAttention.__init__",
+                   ("sliding_window_size", "attn_type", "prefix")),
+            Symbol("sglang.srt.layers.rotary_embedding", "RotaryEmbedding"),
+            Symbol("sglang.srt.layers.rotary_embedding", "get_rope"),
+            Symbol("sglang.srt.model_loader.weight_utils", "default_weight_loader"),
+            Symbol("sglang.srt.runtime_context", "get_parallel"),
+            Symbol("sglang.srt.runtime_context", "get_exec"),
+            Symbol("sglang.srt.configs.hybrid_arch", "mambaish_config"),
+            Symbol("sglang.srt.distributed", "get_tp_group"),
+            Symbol("sglang.srt.distributed", "tensor_model_parallel_all_gather"),
+            Symbol("sglang.srt.layers.sampler", "top_k_top_p_min_p_sampling_from_probs_torch"),
+            Symbol("sglang.srt.layers.sampler", "apply_custom_logit_processor", ("num_tokens_in_batch",)),
+            *(Symbol("sglang.srt.managers.utils", "GenerationBatchResult." + f) for f in (
+                "logits_output", "next_token_ids", "accept_lens", "can_run_cuda_graph", "next_draft_input",
+                "speculative_num_draft_tokens", "new_seq_lens")),
+            Symbol("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool.__init__",
+                   ("size", "max_context_len", "device", "enable_memory_saver")),
+            Symbol("sglang.srt.model_executor.cuda_graph_config", "Backend"),
+            Symbol("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
+            Symbol("sglang.srt.model_executor.forward_batch_info", "ForwardMode"),
+            Symbol("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.input_embeds"),
+            Symbol("sglang.srt.model_executor.model_runner", "ModelRunner.capture_tail_hooks"),
+            Symbol("sglang.srt.managers.tp_worker", "TpModelWorker.forward_batch_generation",
+                   ("batch", "forward_batch", "is_verify", "skip_attn_backend_init", "capture_hidden_mode")),
+            Symbol(spec + "base_spec_worker", "BaseSpecWorker"),
+            Symbol(spec + "dflash_info", "DFlashVerifyInput.prepare_for_verify", ("batch", "target_worker")),
+            Symbol(spec + "dflash_info_v2", "DFlashDraftInputV2.create_idle_input", ("device",)),
+            Symbol(spec + "dflash_info_v2", "DFlashDraftInputV2.bonus_tokens"),
+            Symbol(spec + "dflash_info_v2", "DFlashDraftInputV2." + self.reserved_lens_field),
+            Symbol(spec + "draft_worker_common", "build_draft_tp_worker",
+                   ("server_args", "gpu_id", "nccl_port", "target_model_config", "algo_label") + ps),
+            Symbol(spec + "draft_worker_common", "make_draft_input_v2", ("bonus_tokens", "new_seq_lens")),
+            Symbol(spec + "spec_info", "SpeculativeAlgorithm"),
+            Symbol(spec + "spec_utils", "GrammarTree.from_linear_chain"),
+            Symbol(spec + "spec_utils", "build_grammar_vocab_mask",
+                   ("reqs", "tree", "sampling_info", "device", "barrier")),
+            Symbol(spec + "spec_utils", "prepare_mamba_track_for_verify"),
+            Symbol("sglang.srt.layers.attention.hybrid_linear_attn_backend",
+                   "HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
+                   ("last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track", "model",
+                    "req_pool_indices")),
+        ]
+        if self.has("declared_resolution"):
+            syms += [
+                Symbol("sglang.srt.arg_groups.model_override_base", "resolving_view"),
+                Symbol("sglang.srt.arg_groups.overrides", "declare_resolution", ("server_args", "source")),
+                Symbol("sglang.srt.runtime_context", "get_spec"),
+            ]
+        if self.has("mamba_track_grid"):
+            syms.append(Symbol("sglang.srt.runtime_context", "mamba_track_grid", ("tree_page",)))
+        if self.has("kv_loc_plan"):
+            syms.append(Symbol("sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator.bind_own_plan",
+                               ("forward_batch",)))
+        return syms
+
+
+def split_target(dotted: str) -> tuple[str, str]:
+    """``pkg.module.Class.member`` -> (``pkg.module``, ``Class.member``); functions split at the last dot."""
+    parts = dotted.split(".")
+    cut = next((i for i in range(1, len(parts)) if parts[i][0].isupper()), len(parts) - 1)
+    return ".".join(parts[:cut]), ".".join(parts[cut:])
+
+
+@lru_cache(maxsize=1)
+def running() -> SGLangRelease:
+    """The release installed in this environment."""
+    return SGLangRelease(installed_version())
+
+
+def installed_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def installed_source_root() -> Optional[str]:
+    """The folder of the installed ``sglang`` package, found without importing it."""
+    spec = importlib.util.find_spec("sglang")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return locations[0] if locations else None
+
+
+def missing_symbols(release: SGLangRelease, sglang_root: str) -> list[str]:
+    """The symbols of ``release.symbols()`` that the SGLang source tree at ``sglang_root`` lacks.
+
+    Read from the source with ``ast``: nothing is imported, so the launcher stays light and the
+    same check runs on any release's unpacked wheel.
+    """
+    return [str(sym) for sym in release.symbols() if not _SourceTree(sglang_root).defines(sym)]
+
+
+class _SourceTree:
+    def __init__(self, root: str):
+        self.root = root
+
+    def defines(self, sym: Symbol) -> bool:
+        node = self._resolve(sym.module, sym.qualname.split("."))
+        if node is None:
+            return False
+        if sym.params:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return False
+            a = node.args
+            names = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+            return a.kwarg is not None or set(sym.params) <= names
+        return True
+
+    def _resolve(self, module: str, path: list[str], depth: int = 0):
+        tree = _parse(self.root, module)
+        if tree is None or depth > 8:
+            return None
+        node = self._lookup(tree, module, path[0], depth)
+        for name in path[1:]:
+            if not isinstance(node, ast.ClassDef):
+                return None
+            node = self._member(node, module, name, depth)
+        return node
+
+    def _lookup(self, tree: ast.Module, module: str, name: str, depth: int):
+        """A top-level name: defined here, else imported (``from x import name`` or ``*``)."""
+        nodes = [node for stmt in tree.body for node in _flatten(stmt)]
+        for node in nodes:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return node
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                return node
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+                return node
+        star_sources = []
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(module, node, self.root)
+                for alias in node.names:
+                    if alias.name == "*":
+                        star_sources.append(source)
+                    elif (alias.asname or alias.name) == name:
+                        found = self._resolve(source, [alias.name], depth + 1)
+                        # An imported submodule, or a name we cannot follow (outside sglang).
+                        return found if found is not None else ast.Pass()
+        for source in star_sources:
+            found = self._resolve(source, [name], depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    def _member(self, cls: ast.ClassDef, module: str, name: str, depth: int):
+        """A method, class attribute, dataclass field or ``self.name = ...`` of a class or its bases."""
+        for node in cls.body:
+            for inner in _flatten(node):
+                if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and inner.name == name:
+                    return inner
+                if isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name) and inner.target.id == name:
+                    return inner
+                if isinstance(inner, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in inner.targets):
+                    return inner
+        for fn in ast.walk(cls):
+            if isinstance(fn, (ast.Assign, ast.AnnAssign)):
+                targets = fn.targets if isinstance(fn, ast.Assign) else [fn.target]
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name) \
+                            and t.value.id == "self":
+                        return fn
+        tree = _parse(self.root, module)
+        for base in cls.bases:
+            if isinstance(base, ast.Name):
+                found = self._lookup(tree, module, base.id, depth + 1)
+                if isinstance(found, ast.ClassDef):
+                    hit = self._member_in_module_of(found, module, base.id, name, depth + 1)
+                    if hit is not None:
+                        return hit
+        return None
+
+    def _member_in_module_of(self, cls, module, base_name, name, depth):
+        # The base may live in another module: find the module that defines it.
+        tree = _parse(self.root, module)
+        for stmt in tree.body:
+            for node in _flatten(stmt):
+                if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == base_name for a in node.names):
+                    return self._member(cls, _absolute(module, node, self.root), name, depth)
+        return self._member(cls, module, name, depth)
+
+
+def _flatten(stmt):
+    """A statement, and those of the ``if``/``try`` blocks it opens (guarded imports), except
+    ``if TYPE_CHECKING:`` blocks, which define nothing at run time."""
+    yield stmt
+    if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.dump(stmt.test):
+        return
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        if isinstance(stmt, (ast.If, ast.Try)) or (field == "body" and isinstance(stmt, ast.ExceptHandler)):
+            for child in getattr(stmt, field, []) or []:
+                yield from _flatten(child)
+
+
+def _absolute(module: str, node: ast.ImportFrom, root: str) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".")
+    is_package = os.path.isfile(os.path.join(root, *package[1:], "__init__.py"))
+    base = package if is_package else package[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@lru_cache(maxsize=256)
+def _parse(root: str, module: str) -> Optional[ast.Module]:
+    parts = module.split(".")
+    if parts[0] != "sglang":
+        return None
+    base = os.path.join(root, *parts[1:])
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return ast.parse(f.read(), filename=path)
+    return None

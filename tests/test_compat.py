@@ -1,0 +1,114 @@
+"""The SGLang contract: every symbol the plugin touches resolves, on the installed release by
+import and on every supported release by reading its wheel's source.
+
+The per-release check downloads the SGLang wheels (``pip download --no-deps``, ~40 MB each) into
+``.cache/sglang-wheels`` once; the next SGLang upgrade then fails here instead of in a server.
+"""
+
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from sglang_dflash import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHEELS = os.path.join(ROOT, ".cache", "sglang-wheels")
+# Modules whose import needs a GPU (sgl_kernel's CUDA ops): the source check covers them on the CPU.
+NEEDS_GPU = ("sglang.srt.layers.attention.hybrid_linear_attn_backend", "sglang.srt.model_executor.model_runner",
+             "sglang.srt.layers.layernorm", "sglang.srt.layers.activation", "sglang.srt.models.utils",
+             "sglang.srt.layers.rotary_embedding", "sglang.srt.layers.linear", "sglang.srt.layers.sampler",
+             "sglang.srt.layers.quantization.unquant", "sglang.srt.layers.radix_attention",
+             "sglang.srt.layers.logits_processor")
+
+
+def sglang_source(version):
+    """The ``sglang`` package folder of a release's wheel, unpacked under .cache once."""
+    dest = os.path.join(WHEELS, version)
+    if not os.path.isdir(os.path.join(dest, "sglang")):
+        os.makedirs(WHEELS, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--platform", "manylinux_2_34_x86_64",
+                        f"sglang=={version}", "-d", WHEELS], check=True, capture_output=True)
+        wheel = next(f for f in os.listdir(WHEELS) if f.startswith(f"sglang-{version}-") and f.endswith(".whl"))
+        with zipfile.ZipFile(os.path.join(WHEELS, wheel)) as z:
+            z.extractall(dest, [n for n in z.namelist() if n.startswith("sglang/") and n.endswith(".py")])
+        os.remove(os.path.join(WHEELS, wheel))
+    return os.path.join(dest, "sglang")
+
+
+def test_families_cover_the_supported_releases_once():
+    in_families = [v for releases in compat.FAMILIES.values() for v in releases]
+    assert sorted(in_families, key=compat.version_key) == list(compat.SUPPORTED)
+    assert compat.SGLangRelease("0.5.17").family == "F2" and compat.SGLangRelease("0.5.23").family == "F5"
+    assert compat.SGLangRelease("0.5.24").family is None and not compat.SGLangRelease("0.5.24").supported
+
+
+def test_each_change_starts_at_its_release():
+    r17, r18, r20, r21, r22, r23 = (compat.SGLangRelease(v) for v in ("0.5.17", "0.5.18", "0.5.20", "0.5.21",
+                                                                       "0.5.22", "0.5.23"))
+    assert not r17.has("stops_before_budget") and r18.has("stops_before_budget")
+    assert r17.reserved_lens_field == "reserved_seq_lens_cpu" and r20.reserved_lens_field == "nxt_kv_lens_cpu"
+    assert not r20.has("worker_without_ps") and r21.has("worker_without_ps")
+    assert not r21.has("kv_loc_plan") and r22.has("kv_loc_plan")
+    assert not r22.has("builtin_dp_attention") and r23.has("builtin_dp_attention")
+    assert "DFlash2DraftModel" not in r18.builtin_only_drafts() and "DFlash2DraftModel" in r20.builtin_only_drafts()
+    assert compat.PLUGIN_DRAFT not in r23.builtin_only_drafts()
+
+
+def test_the_installed_release_has_every_symbol_in_its_source():
+    release = compat.running()
+    assert release.supported, release.version
+    assert compat.missing_symbols(release, compat.installed_source_root()) == []
+
+
+def test_the_installed_release_resolves_every_symbol_by_import():
+    """The source check agrees with Python: import each module and look each name up."""
+    checked = 0
+    for sym in compat.running().symbols():
+        if sym.module in NEEDS_GPU:
+            continue
+        obj = importlib.import_module(sym.module)
+        for i, name in enumerate(sym.qualname.split(".")):
+            if not hasattr(obj, name):
+                # Instance attributes and dataclass fields without defaults live on instances only.
+                fields = getattr(obj, "__dataclass_fields__", {}) or getattr(obj, "__annotations__", {})
+                assert inspect.isclass(obj) and (name in fields or name in inspect.getsource(obj)), sym
+                break
+            obj = getattr(obj, name)
+        else:
+            if sym.params:
+                params = inspect.signature(obj).parameters
+                assert set(sym.params) <= set(params) or any(
+                    p.kind is p.VAR_KEYWORD for p in params.values()), sym
+        checked += 1
+    assert checked >= 30
+
+
+@pytest.mark.parametrize("version", compat.SUPPORTED)
+def test_every_supported_release_has_every_symbol_the_plugin_touches(version):
+    assert compat.missing_symbols(compat.SGLangRelease(version), sglang_source(version)) == []
+
+
+@pytest.mark.parametrize("older, newer", [("0.5.17", "0.5.19"), ("0.5.20", "0.5.21"), ("0.5.21", "0.5.22")])
+def test_a_newer_familys_contract_fails_on_an_older_release(older, newer):
+    """The check can fail: each family needs something its predecessor lacks."""
+    missing = compat.missing_symbols(compat.SGLangRelease(newer), sglang_source(older))
+    expected = {
+        "0.5.19": "DFlashDraftInputV2.nxt_kv_lens_cpu",
+        "0.5.21": "build_draft_tp_worker(server_args, gpu_id, nccl_port, target_model_config, algo_label)",
+        "0.5.22": "KVIndexTranslator.bind_own_plan",
+    }[newer]
+    if newer == "0.5.21":  # 0.5.21 drops a parameter rather than adding one: run it the other way round
+        missing = compat.missing_symbols(compat.SGLangRelease(older), sglang_source(newer))
+        expected = "build_draft_tp_worker(server_args, gpu_id, nccl_port, target_model_config, algo_label, ps)"
+    assert any(expected in m for m in missing), missing
+
+
+def test_split_target():
+    assert compat.split_target("a.b.Cls.meth") == ("a.b", "Cls.meth")
+    assert compat.split_target("a.b._fn") == ("a.b", "_fn")
