@@ -378,3 +378,96 @@ def load_and_validate(draft_path: str, target: TargetInfo, block_size: Optional[
     cfg = cfg.resolve_for_target(target)
     check_draft_tensors(cfg, read_checkpoint_shapes(draft_path))
     return cfg
+
+
+def check_draft_folder(path: str, revision: Optional[str] = None) -> str:
+    """The draft's folder, with a ``config.json`` that transformers can read; returns the folder.
+
+    Runs before SGLang reads the draft through transformers, which would end a bad file in a
+    traceback through the launcher.
+    """
+    flag = "--speculative-draft-model-path"
+    folder = local_checkpoint(path, flag, revision)
+    if not os.path.isdir(os.path.expanduser(folder)):
+        raise DFlashConfigError(flag, f"{path!r} does not exist")
+    config_path = os.path.join(os.path.expanduser(folder), "config.json")
+    if not os.path.isfile(config_path):
+        raise DFlashConfigError(flag, f"{path!r} has no config.json")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashConfigError("config.json", f"not valid JSON ({e})", folder) from None
+    if not isinstance(raw, dict):
+        raise DFlashConfigError("config.json", f"must hold a JSON object, got {type(raw).__name__}", folder)
+    if not raw.get("model_type"):
+        raise DFlashConfigError(
+            "model_type", "missing; transformers needs it to read the config (published DFlash drafts say \"qwen3\")",
+            folder,
+        )
+    return folder
+
+
+def draft_architecture(path: str, revision: Optional[str] = None) -> Optional[str]:
+    """``architectures[0]`` of the draft's config, or None where the folder cannot tell yet."""
+    try:
+        folder = local_checkpoint(path, "--speculative-draft-model-path", revision)
+        with open(os.path.join(os.path.expanduser(folder), "config.json")) as f:
+            archs = json.load(f).get("architectures") or [None]
+        return archs[0]
+    except (OSError, ValueError, AttributeError, DFlashConfigError):
+        return None
+
+
+def builtin_serves(server_args, release) -> Optional[str]:
+    """Why SGLang's built-in DFLASH, not the plugin, serves this server; None if the plugin does.
+
+    The plugin never takes away what the built-in serves: a draft architecture it does not
+    implement, or DP attention on releases whose built-in has it.
+    """
+    view = release.resolving(server_args)
+    path = getattr(view, "speculative_draft_model_path", None)
+    arch = draft_architecture(path, getattr(view, "speculative_draft_model_revision", None)) if path else None
+    if arch in release.builtin_only_drafts():
+        return f"the draft's architecture {arch} is implemented by the built-in only"
+    if release.has("builtin_dp_attention") and release.dp_attention(view):
+        return "DP attention is served by the built-in only"
+    return None
+
+
+def validate_server_args(server_args, release) -> DFlashDraftConfig:
+    """Every start-up check that needs only files and flags. Returns the resolved draft config."""
+    args = release.resolving(server_args)
+    if args.pp_size != 1:
+        raise DFlashConfigError("--pp-size", f"DFLASH needs pp_size 1, got {args.pp_size}")
+    if release.dp_attention(args):
+        flag = "--attn-dp-size" if release.has("attn_dp_size") else "--enable-dp-attention"
+        raise DFlashConfigError(flag, "sglang-dflash does not serve DFLASH with DP attention")
+    if getattr(args, "enable_unified_memory", False):
+        raise DFlashConfigError("--enable-unified-memory", "sglang-dflash writes draft KV by physical slot; "
+                                "unified memory would need translated writes")
+    if getattr(args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
+        raise DFlashConfigError("--mamba-radix-cache-strategy", "extra_buffer_lazy is not served with DFLASH; "
+                                "use extra_buffer")
+    if args.speculative_draft_model_path is None:
+        raise DFlashConfigError("--speculative-draft-model-path", "required with --speculative-algorithm DFLASH")
+    draft_path = local_checkpoint(args.speculative_draft_model_path, "--speculative-draft-model-path",
+                                  getattr(args, "speculative_draft_model_revision", None))
+    block = args.speculative_num_draft_tokens or args.speculative_dflash_block_size
+    for flag, value in (("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+                        ("--speculative-dflash-block-size", args.speculative_dflash_block_size)):
+        if value is not None and int(value) < 2:
+            raise DFlashConfigError(flag, f"the block must hold the last token and >= 1 draft, got {value}")
+    target_path = local_checkpoint(args.model_path, "--model-path", getattr(args, "revision", None))
+    if not os.path.isfile(os.path.join(target_path, "config.json")):
+        raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json")
+    target = TargetInfo.from_pretrained(target_path, context_length=args.context_length)
+    config = load_and_validate(draft_path, target, block_size=block)
+    window = getattr(args, "speculative_draft_window_size", None)
+    if window is not None and not (isinstance(window, int) and window >= config.block_size):
+        raise DFlashConfigError(
+            "--speculative-draft-window-size",
+            f"must be an integer >= the block size {config.block_size} (the draft sees at least one block), "
+            f"got {window!r}",
+        )
+    return config

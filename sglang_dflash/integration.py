@@ -4,27 +4,32 @@ SGLang calls :func:`register` (entry point group ``sglang.srt.plugins``) early i
 the launcher, the engine and each scheduler subprocess. ``DFLASH`` is a reserved algorithm name,
 so instead of registering a new one we keep the enum member, and with it every in-tree
 ``is_dflash()`` branch (aux-hidden capture on the target, KV cell sizing, graph plumbing), and
-swap what it builds:
+swap what it builds. The hooks (targets by release in :meth:`compat.SGLangRelease.hook_targets`):
 
-* AROUND ``SpeculativeAlgorithm.create_worker``: DFLASH builds :class:`sglang_dflash.worker.DFlashWorker`.
-* AROUND ``speculative_hook._handle_dflash``: the plugin validates the draft checkpoint against
-  the target before SGLang's own DFLASH argument policy runs.
-* AROUND ``speculative_hook._resolve_speculative_algorithm_alias``: that runs first and reads the
-  draft's config through the hub client, so a mistyped local path would end in a hub traceback.
-* ``ModelRegistry.models["DFlashDraftModel"]``: the plugin's draft network, set where the worker
-  is created (the registry holds classes in a dict that hooks cannot reach).
-* AROUND ``Req.update_finish_state``: SGLang checks ``max_new_tokens`` before stop tokens and
-  stop strings, so when one verify step accepts several tokens and reaches the budget, a stop
-  inside that step was ignored. The hook lets the earlier stop win, as plain decoding would.
+* ``SpeculativeAlgorithm.create_worker``: DFLASH builds :class:`sglang_dflash.worker.DFlashWorker`,
+  and ``ModelRegistry.models["DFlashDraftModel"]`` becomes the plugin's draft network (the
+  registry holds classes in a dict that hooks cannot reach).
+* ``speculative_hook._handle_dflash``: the draft and the flags are checked (``config.py``) before
+  SGLang's own DFLASH argument policy runs.
+* ``speculative_hook._resolve_speculative_algorithm_alias``: it runs first and reads the draft's
+  config through transformers, so a bad draft is named here in one line, not in a traceback.
+* ``Req.update_finish_state`` (0.5.17 only): SGLang checks ``max_new_tokens`` before stop tokens
+  and strings, so a stop inside a multi-token verify step that also reaches the budget was lost.
+* ``dflash_utils.validate_dflash_request`` (0.5.18+): SGLang lets logprob requests through to the
+  worker, which does not compute logprobs yet; they are refused with a message instead.
 
-``SGLANG_DFLASH_IMPL=builtin`` leaves SGLang's own DFLASH in place (only the log line is added),
-so both can be measured side by side.
+A draft architecture only the built-in implements, DP attention where the built-in serves it,
+``SGLANG_DFLASH_IMPL=builtin``, an SGLang release outside the supported range, or one that lacks
+any symbol the plugin needs: DFLASH stays with the built-in, and the log says why.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
+
+from . import compat
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -36,15 +41,15 @@ RMSNORM_CUDA = "sglang.srt.layers.layernorm.RMSNorm.forward_cuda"
 GEMMA_RMSNORM_CUDA = "sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda"  # Qwen3.5 / Qwen3-Next
 # Its JIT kernel has no float32 build either, and a failed build is retried on every forward.
 QKNORM_CHECK = "sglang.srt.models.utils.can_use_fused_inplace_qknorm"
-IMPLEMENTATIONS = ("plugin", "builtin")
-# Hook targets were read in these SGLang releases; anything else keeps the built-in.
-SUPPORTED_SGLANG = ("0.5.17",)
+HANDLE_DFLASH_ARGS = compat.HOOK_TARGETS["handle_dflash_args"]
+UPDATE_FINISH_STATE = compat.HOOK_TARGETS["stop_before_length"]
+VALIDATE_REQUEST = compat.HOOK_TARGETS["refuse_logprobs"]
 
-CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker"
-HANDLE_DFLASH_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
-RESOLVE_ALGORITHM = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
-UPDATE_FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
-DRAFT_ARCHITECTURE = "DFlashDraftModel"
+IMPLEMENTATIONS = ("plugin", "builtin")
+
+# Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
+# so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
+_serving = False
 
 
 def selected_implementation() -> str:
@@ -54,10 +59,20 @@ def selected_implementation() -> str:
     return impl
 
 
-def sglang_version() -> str:
-    from importlib.metadata import version
-
-    return version("sglang")
+def builtin_reason(impl: str, release: compat.SGLangRelease) -> Optional[str]:
+    """Why this process leaves DFLASH to SGLang's built-in, or None. All or nothing: SGLang only
+    logs a hook it cannot apply, so a half-installed plugin would fail silently."""
+    if impl == "builtin":
+        return f"{IMPL_ENV}=builtin"
+    if not release.supported:
+        return (f"SGLang {release.version} is not a release sglang-dflash supports "
+                f"({compat.SUPPORTED[0]} to {compat.SUPPORTED[-1]})")
+    root = compat.installed_source_root()
+    missing = compat.missing_symbols(release, root) if root else ["the sglang package"]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"SGLang {release.version} lacks {missing[0]}{more}"
+    return None
 
 
 def register() -> None:
@@ -69,20 +84,23 @@ def register() -> None:
         HookRegistry.register(RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
         HookRegistry.register(GEMMA_RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
         HookRegistry.register(QKNORM_CHECK, fp32_qknorm_hook, HookType.AROUND)
-    found = sglang_version()
-    if impl == "plugin" and found not in SUPPORTED_SGLANG:
-        logger.warning(
-            "sglang-dflash supports SGLang %s, found %s: DFLASH stays with the built-in implementation.",
-            "/".join(SUPPORTED_SGLANG), found,
-        )
-        impl = "builtin"
-    if impl == "plugin":
-        HookRegistry.register(CREATE_WORKER, create_worker_hook, HookType.AROUND)
-        HookRegistry.register(HANDLE_DFLASH_ARGS, handle_dflash_args_hook, HookType.AROUND)
-        HookRegistry.register(RESOLVE_ALGORITHM, draft_path_hook, HookType.AROUND)
-        HookRegistry.register(UPDATE_FINISH_STATE, stop_before_length_hook, HookType.AROUND)
-    else:
-        HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin_hook, HookType.AROUND)
+    release = _release()
+    reason = builtin_reason(impl, release)
+    if reason is not None:
+        def log_builtin(original, server_args):
+            return log_builtin_hook(reason, original, server_args)
+
+        HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin, HookType.AROUND)
+        return
+    hooks = {
+        "create_worker": create_worker_hook,
+        "handle_dflash_args": handle_dflash_args_hook,
+        "resolve_algorithm": draft_path_hook,
+        "stop_before_length": stop_before_length_hook,
+        "refuse_logprobs": refuse_logprobs_hook,
+    }
+    for name, target in release.hook_targets().items():
+        HookRegistry.register(target, hooks[name], HookType.AROUND)
 
 
 def fp32_rmsnorm_hook(original, self, x, *args, **kwargs):
@@ -109,6 +127,8 @@ def stop_before_length_hook(original, req, new_accepted_len: int = 1):
     the budget-th one, and reports the budget on that token: run the stop checks on the
     accepted tokens that precede it first.
     """
+    if not _serving:
+        return original(req, new_accepted_len)
     budget = req.sampling_params.max_new_tokens
     produced = len(req.output_ids)
     if new_accepted_len <= 1 or budget is None or produced < budget or req.finished() or req.to_finish:
@@ -127,85 +147,77 @@ def stop_before_length_hook(original, req, new_accepted_len: int = 1):
 
 
 def create_worker_hook(original, self, server_args):
-    if not self.is_dflash():
+    global _serving
+    if not self.is_dflash() or _builtin_for_this_server(server_args) is not None:
         return original(self, server_args)
-    install_draft_model()
-    from .worker import DFlashWorker
-
-    return DFlashWorker
-
-
-def install_draft_model() -> None:
-    """Point SGLang's registry entry for the published draft architecture at the plugin's model."""
     from sglang.srt.models.registry import ModelRegistry
 
     from .model import DFlashDraftModel
+    from .worker import DFlashWorker
 
-    ModelRegistry.models[DRAFT_ARCHITECTURE] = DFlashDraftModel
+    ModelRegistry.models[compat.PLUGIN_DRAFT] = DFlashDraftModel
+    _serving = True
+    return DFlashWorker
 
 
-def log_builtin_hook(original, server_args):
-    logger.info("DFLASH is served by SGLang's built-in implementation (%s=builtin).", IMPL_ENV)
+def _builtin_for_this_server(server_args) -> Optional[str]:
+    from .config import DFlashConfigError, builtin_serves
+
+    try:
+        return builtin_serves(server_args, _release())
+    except DFlashConfigError as e:
+        raise SystemExit(f"sglang-dflash: {e}") from None
+
+
+def _release() -> compat.SGLangRelease:
+    return compat.running()
+
+
+def log_builtin_hook(reason, original, server_args):
+    logger.info("DFLASH is served by SGLang's built-in implementation: %s.", reason)
     return original(server_args)
 
 
 def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
-    """A local draft path that is not a checkpoint: one line now, not a hub-client traceback."""
-    from .config import is_hub_id
+    """The draft's folder and config.json, checked before SGLang reads them through transformers."""
+    from .config import DFlashConfigError, check_draft_folder
 
-    if (algorithm or "").upper() == "DFLASH" and draft_path and not is_hub_id(draft_path):
-        folder = os.path.expanduser(draft_path)
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            what = "has no config.json" if os.path.exists(folder) else "does not exist"
-            raise SystemExit(f"sglang-dflash: --speculative-draft-model-path: {draft_path!r} {what}")
+    if (algorithm or "").upper() == "DFLASH" and draft_path:
+        try:
+            check_draft_folder(draft_path)
+        except DFlashConfigError as e:
+            raise SystemExit(f"sglang-dflash: {e}") from None
     return original(algorithm, draft_path, *args, **kwargs)
 
 
 def handle_dflash_args_hook(original, server_args):
     """Validate the draft checkpoint and the flags, then let SGLang apply its DFLASH defaults."""
-    from .config import DFlashConfigError
+    from .config import DFlashConfigError, validate_server_args
 
+    release = _release()
+    reason = _builtin_for_this_server(server_args)
+    if reason is not None:
+        return log_builtin_hook(reason, original, server_args)
     try:
-        cfg = validate_server_args(server_args)
+        cfg = validate_server_args(server_args, release)
     except DFlashConfigError as e:
         # One line and a non-zero exit, before any process or GPU memory is set up.
         raise SystemExit(f"sglang-dflash: {e}") from None
-    if server_args.speculative_num_draft_tokens is None and server_args.speculative_dflash_block_size is None:
-        server_args.speculative_num_draft_tokens = cfg.block_size
+    view = release.resolving(server_args)
+    if view.speculative_num_draft_tokens is None and view.speculative_dflash_block_size is None:
+        release.declare(server_args, speculative_num_draft_tokens=cfg.block_size)
     original(server_args)
     logger.info(
-        "DFLASH is served by sglang-dflash (block_size=%d, draft=%s, target_layer_ids=%s).",
-        server_args.speculative_num_draft_tokens, server_args.speculative_draft_model_path,
-        list(cfg.target_layer_ids),
+        "DFLASH is served by sglang-dflash on SGLang %s (block_size=%s, draft=%s, target_layer_ids=%s).",
+        release.version, release.resolving(server_args).speculative_num_draft_tokens,
+        view.speculative_draft_model_path, list(cfg.target_layer_ids),
     )
 
 
-def validate_server_args(server_args):
-    """Every start-up check that needs only files and flags. Returns the resolved draft config."""
-    from .config import DFlashConfigError, TargetInfo, load_and_validate, local_checkpoint
-
-    if server_args.pp_size != 1:
-        raise DFlashConfigError("--pp-size", f"DFLASH needs pp_size 1, got {server_args.pp_size}")
-    if getattr(server_args, "enable_dp_attention", False):
-        raise DFlashConfigError("--enable-dp-attention", "DFLASH does not support DP attention")
-    if server_args.speculative_draft_model_path is None:
-        raise DFlashConfigError("--speculative-draft-model-path", "required with --speculative-algorithm DFLASH")
-    draft_path = local_checkpoint(server_args.speculative_draft_model_path, "--speculative-draft-model-path",
-                                  getattr(server_args, "speculative_draft_model_revision", None))
-    block = server_args.speculative_num_draft_tokens or server_args.speculative_dflash_block_size
-    for flag, value in (("--speculative-num-draft-tokens", server_args.speculative_num_draft_tokens),
-                        ("--speculative-dflash-block-size", server_args.speculative_dflash_block_size)):
-        if value is not None and int(value) < 2:
-            raise DFlashConfigError(flag, f"the block must hold the last token and >= 1 draft, got {value}")
-    target_path = local_checkpoint(server_args.model_path, "--model-path", getattr(server_args, "revision", None))
-    if not os.path.isfile(os.path.join(target_path, "config.json")):
-        raise DFlashConfigError("--model-path", f"{target_path!r} has no config.json")
-    target = TargetInfo.from_pretrained(target_path, context_length=server_args.context_length)
-    config = load_and_validate(draft_path, target, block_size=block)
-    window = getattr(server_args, "speculative_draft_window_size", None)
-    if window is not None and not (isinstance(window, int) and window >= config.block_size):
-        raise DFlashConfigError(
-            "--speculative-draft-window-size",
-            f"must be an integer >= the block size {config.block_size} (the draft sees at least one block), got {window!r}",
-        )
-    return config
+def refuse_logprobs_hook(original, req, *args, **kwargs):
+    """The plugin's worker computes no logprobs yet: refuse such requests rather than answer
+    them without. Other servers (and the built-in DFLASH) keep SGLang's own check."""
+    if _serving and getattr(req, "return_logprob", False):
+        return ("sglang-dflash does not serve return_logprob yet; "
+                f"start the server with {IMPL_ENV}=builtin for logprobs with DFLASH")
+    return original(req, *args, **kwargs)

@@ -31,7 +31,7 @@ the scheduler, FutureMap and attention backends branch on their types.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -43,14 +43,15 @@ from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.runtime_context import get_exec
+from sglang.srt.runtime_context import get_exec, get_parallel
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker, make_draft_input_v2
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
+from . import compat
 from .config import DFlashConfigError, TargetInfo
 from .ops import accept_block, prepare_block
 
@@ -179,25 +180,23 @@ class GreedyDraftHead:
 class DFlashWorker(BaseSpecWorker):
     """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
 
-    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
-        super().__init__()
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
+        super().__init__()  # ``ps`` (parallel state) comes up to SGLang 0.5.20 only
+        self.release = compat.running()
         self.server_args = server_args
-        self.ps = ps
         self._target_worker = target_worker
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
         target_config = self.model_runner.model_config
         self.hybrid = mambaish_config(target_config) is not None
-        bundle = build_draft_tp_worker(
-            server_args=server_args, gpu_id=gpu_id, ps=replace(ps, pp_rank=0), nccl_port=nccl_port,
-            target_model_config=target_config, algo_label="DFLASH",
-        )
+        bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps)
         self._draft_worker = bundle.draft_worker
         self.draft_model_runner = bundle.draft_model_runner
         self.draft_model = bundle.draft_model
         text = target_config.hf_text_config
         target = TargetInfo(text.hidden_size, text.num_hidden_layers, target_config.vocab_size, target_config.context_len)
-        self.block_size = int(server_args.speculative_num_draft_tokens)
+        self.block_size = int(self.release.spec_setting(server_args, "speculative_num_draft_tokens"))
+        self.window_size = self.release.spec_setting(server_args, "speculative_draft_window_size")
         self.speculative_num_draft_tokens = self.block_size
         self.config = self.draft_model.dflash_config.with_block_size(self.block_size).resolve_for_target(target)
         self.mask_token_id = self._resolve_mask_token_id()
@@ -205,11 +204,11 @@ class DFlashWorker(BaseSpecWorker):
         self.window: Optional[DraftWindow] = None  # set with the memory pools
         self.buffers = StepBuffers(self.block_size, self.device)
         self.head_in_graph = False
-        if ps.tp_rank == 0:
+        if get_parallel().tp_rank == 0:
             logger.info(
-                "DFLASH is served by sglang-dflash: block_size=%d, mask_token_id=%d, draft layers=%d (%s), "
-                "target_layer_ids=%s, draft attention backend=%s",
-                self.block_size, self.mask_token_id, self.config.num_hidden_layers,
+                "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
+                "draft layers=%d (%s), target_layer_ids=%s, draft attention backend=%s",
+                self.release.version, self.release.family, self.block_size, self.mask_token_id, self.config.num_hidden_layers,
                 ",".join(sorted(set(self.config.layer_types))), list(self.config.target_layer_ids),
                 bundle.resolved_attention_backend,
             )
@@ -245,9 +244,8 @@ class DFlashWorker(BaseSpecWorker):
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
         # The draft KV buffer is its own, but indexed by the target's slots and (without a draft
         # window) the target's request table.
-        window = self.server_args.speculative_draft_window_size
-        if window is not None:
-            self.window = DraftWindow(int(window), self.block_size, req_to_token_pool, self.device)
+        if self.window_size is not None:
+            self.window = DraftWindow(int(self.window_size), self.block_size, req_to_token_pool, self.device)
         self._draft_worker.alloc_memory_pool(
             memory_pool_config=memory_pool_config,
             req_to_token_pool=self.window.pool if self.window else req_to_token_pool,
@@ -275,8 +273,11 @@ class DFlashWorker(BaseSpecWorker):
 
     # ---- one scheduler step ------------------------------------------------------------------
 
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
-        # return_logprob requests never get here: SGLang's DFLASH request check aborts them.
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
+                                 ) -> GenerationBatchResult:
+        # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
+        # return_logprob requests never get here: SGLang 0.5.17 refuses them, the plugin's request
+        # check on later releases.
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
@@ -363,6 +364,7 @@ class DFlashWorker(BaseSpecWorker):
             ),
             capture_hidden_mode=CaptureHiddenMode.NULL,
         )
+        self.release.bind_draft_plan(self.draft_model_runner, forward_batch)
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
         if out.can_run_graph and self.head_in_graph:
@@ -378,7 +380,7 @@ class DFlashWorker(BaseSpecWorker):
         """Host-side upper bound of each request's attended length (committed + one block)."""
         if batch.seq_lens_cpu is not None:
             return (batch.seq_lens_cpu + self.block_size).to(torch.int32)
-        reserved = batch.spec_info.reserved_seq_lens_cpu
+        reserved = self.release.reserved_seq_lens_cpu(batch.spec_info)
         if reserved is not None:
             return reserved.to(torch.int32)
         return (batch.seq_lens.cpu() + self.block_size).to(torch.int32)
@@ -424,7 +426,8 @@ class DFlashWorker(BaseSpecWorker):
         committed step's, and copy a crossed track boundary's into the radix cache's track slot."""
         steps_to_track = None
         if batch.mamba_track_indices is not None:
-            steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, get_exec().mamba.mamba_track_interval)
+            interval = self.release.mamba_track_interval(batch)
+            steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, interval)
         self.model_runner.attn_backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
             mamba_track_indices=batch.mamba_track_indices,

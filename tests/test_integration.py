@@ -5,6 +5,7 @@ loading is once per process.
 """
 
 
+import json
 import os
 import random
 import subprocess
@@ -16,12 +17,14 @@ from types import SimpleNamespace
 import pytest
 from conftest import write_checkpoint, write_target
 
-from sglang_dflash import integration
+from sglang_dflash import compat, integration
+
+RELEASE = compat.running()
 
 
-def run_python(code, **env):
+def run_python(code, *argv, **env):
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", textwrap.dedent(code), *argv],
         capture_output=True, text=True, timeout=600, env={**os.environ, **env},
     )
     return out
@@ -32,7 +35,7 @@ TAKEOVER = """
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    cls = SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace())
+    cls = SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace(speculative_draft_model_path=None))
     print("DFLASH->" + cls.__module__ + "." + cls.__name__)
     eagle = SpeculativeAlgorithm.EAGLE.create_worker(SimpleNamespace(enable_multi_layer_eagle=False))
     print("EAGLE->" + eagle.__name__)
@@ -72,6 +75,7 @@ def server_args(tmp_path, **overrides):
         speculative_draft_model_path=write_checkpoint(str(tmp_path / "draft")),
         speculative_num_draft_tokens=None, speculative_dflash_block_size=None,
         speculative_draft_window_size=None, context_length=None, pp_size=1, enable_dp_attention=False,
+        attn_dp_size=1,
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -81,7 +85,7 @@ def test_args_hook_validates_then_defers_to_sglang(tmp_path):
     seen = []
     args = server_args(tmp_path)
     integration.handle_dflash_args_hook(seen.append, args)
-    assert seen == [args] and args.speculative_num_draft_tokens == 16
+    assert seen == [args] and RELEASE.resolving(args).speculative_num_draft_tokens == 16
 
 
 @pytest.mark.parametrize(
@@ -91,7 +95,8 @@ def test_args_hook_validates_then_defers_to_sglang(tmp_path):
         (dict(speculative_num_draft_tokens=1), "--speculative-num-draft-tokens: the block must hold"),
         (dict(speculative_draft_model_path="/no/such/draft"), "'/no/such/draft' is not a directory"),
         (dict(context_length=8), "block_size: 16 exceeds the context length 8"),
-        (dict(enable_dp_attention=True), "--enable-dp-attention"),
+        (dict(mamba_radix_cache_strategy="extra_buffer_lazy"), "--mamba-radix-cache-strategy: extra_buffer_lazy"),
+        (dict(enable_unified_memory=True), "--enable-unified-memory"),
         (dict(speculative_draft_window_size=8), "--speculative-draft-window-size: must be an integer >= the block size 16"),
     ],
 )
@@ -122,7 +127,7 @@ def test_hooked_sglang_arg_policy_rejects_bad_draft(tmp_path):
         speculative_hook._handle_dflash(SimpleNamespace(
             model_path={target!r}, speculative_draft_model_path={draft!r}, speculative_num_draft_tokens=None,
             speculative_dflash_block_size=None, speculative_draft_window_size=None, context_length=None,
-            pp_size=1, enable_dp_attention=False))
+            pp_size=1, enable_dp_attention=False, attn_dp_size=1))
     """
     out = run_python(code, SGLANG_PLUGINS="dflash")
     assert out.returncode != 0
@@ -131,19 +136,45 @@ def test_hooked_sglang_arg_policy_rejects_bad_draft(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_version_gate_keeps_builtin_on_untested_sglang(monkeypatch):
-    registered = []
+def registered_targets(monkeypatch, release):
     from sglang.srt.plugins import hook_registry
 
+    registered = []
     monkeypatch.setattr(hook_registry.HookRegistry, "register", lambda *a, **k: registered.append(a[0]))
-    monkeypatch.setattr(integration, "sglang_version", lambda: "0.5.99")
+    monkeypatch.setattr(integration, "_release", lambda: release)
     integration.register()
-    assert registered == [integration.HANDLE_DFLASH_ARGS]  # only the "built-in serves" log line
-    monkeypatch.setattr(integration, "sglang_version", lambda: "0.5.17")
-    registered.clear()
-    integration.register()
-    assert registered == [integration.CREATE_WORKER, integration.HANDLE_DFLASH_ARGS, integration.RESOLVE_ALGORITHM,
-                          integration.UPDATE_FINISH_STATE]
+    return registered
+
+
+def test_the_running_release_gets_all_its_hooks(monkeypatch):
+    assert RELEASE.supported, f"CI runs supported releases only, found {RELEASE.version}"
+    targets = registered_targets(monkeypatch, RELEASE)
+    assert targets == list(RELEASE.hook_targets().values())
+    # The budget hook only where SGLang still checks the budget first; logprobs refused where they arrive.
+    assert (integration.UPDATE_FINISH_STATE in targets) == (RELEASE.version == "0.5.17")
+    assert (integration.VALIDATE_REQUEST in targets) == (RELEASE.version != "0.5.17")
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.24", "0.6.0"])
+def test_an_unsupported_release_keeps_the_builtin_and_says_why(monkeypatch, version):
+    release = compat.SGLangRelease(version)
+    assert registered_targets(monkeypatch, release) == [integration.HANDLE_DFLASH_ARGS]
+    assert integration.builtin_reason("plugin", release) == (
+        f"SGLang {version} is not a release sglang-dflash supports (0.5.17 to 0.5.23)")
+
+
+def test_a_release_missing_any_symbol_keeps_the_builtin_all_or_nothing(monkeypatch):
+    """Pretend the installed SGLang were another family: some symbol is missing, so no hook at all."""
+    other = compat.SGLangRelease("0.5.23" if RELEASE.version == "0.5.17" else "0.5.17")
+    assert registered_targets(monkeypatch, other) == [integration.HANDLE_DFLASH_ARGS]
+    reason = integration.builtin_reason("plugin", other)
+    assert reason.startswith(f"SGLang {other.version} lacks sglang.srt.")
+
+
+def test_builtin_switch_reason_names_the_switch(monkeypatch):
+    monkeypatch.setenv(integration.IMPL_ENV, "builtin")
+    assert registered_targets(monkeypatch, RELEASE) == [integration.HANDLE_DFLASH_ARGS]
+    assert integration.builtin_reason("builtin", RELEASE) == "SGLANG_DFLASH_IMPL=builtin"
 
 
 def test_fp32_switch_keeps_float32_norms_off_the_cuda_kernels(monkeypatch):
@@ -163,12 +194,18 @@ def test_fp32_switch_keeps_float32_norms_off_the_cuda_kernels(monkeypatch):
 
 
 STOP_IN_A_MULTI_TOKEN_STEP = """
+    import sys
     from array import array
+    from types import SimpleNamespace
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    # The scheduler builds its worker first; the hook acts only in a DFLASH server of the plugin's.
+    algorithm = SpeculativeAlgorithm[sys.argv[1]]
+    algorithm.create_worker(SimpleNamespace(speculative_draft_model_path=None, enable_multi_layer_eagle=False))
     params = SamplingParams(max_new_tokens=8, stop_token_ids=[0])
     params.normalize(None)
     req = Req("r", "", array("i", [1, 2, 3]), params, vocab_size=100)
@@ -176,13 +213,18 @@ STOP_IN_A_MULTI_TOKEN_STEP = """
     req.update_finish_state(5)
     print("FINISH->" + type(req.finished_reason).__name__, req.finished_len)
 """
+# What SGLang alone reports for that step: 0.5.17 checks the budget first, later releases stops first.
+SGLANG_ALONE = "FINISH->FINISH_LENGTH 8" if RELEASE.version == "0.5.17" else "FINISH->FINISH_MATCHED_TOKEN 5"
 
 
-@pytest.mark.parametrize("impl, expected", [("plugin", "FINISH->FINISH_MATCHED_TOKEN 5"),
-                                            ("builtin", "FINISH->FINISH_LENGTH 8")])
-def test_a_stop_token_inside_an_accepted_step_wins_over_the_budget(impl, expected):
-    """Plain decoding stops at token 0 (5 tokens); SGLang alone reports the budget (8 tokens)."""
-    out = run_python(STOP_IN_A_MULTI_TOKEN_STEP, SGLANG_PLUGINS="dflash", SGLANG_DFLASH_IMPL=impl)
+@pytest.mark.parametrize("impl, algorithm, expected", [
+    ("plugin", "DFLASH", "FINISH->FINISH_MATCHED_TOKEN 5"),
+    ("builtin", "DFLASH", SGLANG_ALONE),
+    ("plugin", "EAGLE", SGLANG_ALONE),  # other algorithms behave exactly as without the plugin
+])
+def test_a_stop_token_inside_an_accepted_step_wins_over_the_budget(impl, algorithm, expected):
+    """Plain decoding stops at token 0 (5 tokens)."""
+    out = run_python(STOP_IN_A_MULTI_TOKEN_STEP, algorithm, SGLANG_PLUGINS="dflash", SGLANG_DFLASH_IMPL=impl)
     assert out.returncode == 0, out.stderr[-3000:]
     assert expected in out.stdout
 
@@ -217,6 +259,21 @@ def plain_decoding_finish(budget, output_ids):
     return finish(req)
 
 
+def finish_step(req, n):
+    """How a DFLASH step of the plugin's finishes: through the hook where it is installed."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    if "stop_before_length" in RELEASE.hook_targets():
+        integration.stop_before_length_hook(Req.update_finish_state, req, n)
+    else:
+        Req.update_finish_state(req, n)
+
+
+@pytest.fixture(autouse=True)
+def plugin_serving(monkeypatch):
+    monkeypatch.setattr(integration, "_serving", True)
+
+
 def speculative_finish(budget, output_ids, step_sizes):
     """The same tokens committed a verify step at a time, through the hook."""
     from sglang.srt.managers.schedule_batch import Req
@@ -225,7 +282,7 @@ def speculative_finish(budget, output_ids, step_sizes):
     for n in step_sizes:
         req.output_ids.extend(output_ids[done:done + n])
         done += n
-        integration.stop_before_length_hook(Req.update_finish_state, req, n)
+        finish_step(req, n)
         assert req.sampling_params.max_new_tokens == budget
         if req.finished() or done >= len(output_ids):
             break
@@ -235,7 +292,8 @@ def speculative_finish(budget, output_ids, step_sizes):
 @pytest.mark.parametrize("budget, output_ids, steps, expected", [
     (8, [5, 6, 7, 8, 0, 9, 10, 11], [3, 5], ("FINISH_MATCHED_TOKEN", 5)),  # stop inside the step that ends the budget
     (6, [5, 6, 7, 8, 9, 10, 0, 11], [3, 5], ("FINISH_LENGTH", 6)),  # stop past the budget
-    (5, [5, 6, 7, 8, 0, 9], [2, 4], ("FINISH_LENGTH", 5)),  # stop on the budget's own token: AR says length
+    # Stop on the budget's own token: 0.5.17's AR says length, later releases the stop.
+    (5, [5, 6, 7, 8, 0, 9], [2, 4], ("FINISH_LENGTH" if RELEASE.version == "0.5.17" else "FINISH_MATCHED_TOKEN", 5)),
     (20, [5, 6, 7, 8, 0, 9], [1, 5], ("FINISH_MATCHED_TOKEN", 5)),  # budget not reached: SGLang's own path
 ])
 def test_stop_before_length_hook_cases(budget, output_ids, steps, expected):
@@ -254,15 +312,82 @@ def test_stop_before_length_hook_equals_plain_decoding_on_random_steps():
         assert speculative_finish(budget, output_ids, steps) == ar, (budget, output_ids, steps)
 
 
-def test_draft_path_hook_refuses_missing_local_paths_and_passes_hub_ids(tmp_path):
+def test_draft_path_hook_refuses_bad_drafts_in_one_line_and_leaves_other_algorithms(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     calls = []
 
     def original(algorithm, path, *args, **kwargs):
         calls.append((algorithm, path))
         return algorithm
 
-    with pytest.raises(SystemExit, match="does not exist"):
-        integration.draft_path_hook(original, "DFLASH", str(tmp_path / "nope"))
-    assert integration.draft_path_hook(original, "DFLASH", "z-lab/Qwen3-8B-DFlash-b16") == "DFLASH"  # the hub's
+    def refused(path):
+        with pytest.raises(SystemExit) as e:
+            integration.draft_path_hook(original, "DFLASH", path)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "does not exist" in refused(str(tmp_path / "nope"))
+    assert "is not a local folder and the hub has no copy" in refused("z-lab/no-such-draft")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    assert "has no config.json" in refused(str(bad))
+    (bad / "config.json").write_text("{not json")
+    assert "config.json: not valid JSON" in refused(str(bad))
+    (bad / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+    assert "model_type: missing" in refused(str(bad))
+    good = write_checkpoint(str(tmp_path / "good"))
+    assert integration.draft_path_hook(original, "DFLASH", good) == "DFLASH"
     assert integration.draft_path_hook(original, "EAGLE", str(tmp_path / "nope")) == "EAGLE"  # not ours
-    assert calls == [("DFLASH", "z-lab/Qwen3-8B-DFlash-b16"), ("EAGLE", str(tmp_path / "nope"))]
+    assert calls == [("DFLASH", good), ("EAGLE", str(tmp_path / "nope"))]
+
+
+def test_logprob_requests_are_refused_only_by_a_plugin_dflash_server(monkeypatch):
+    sglang_check = lambda req, enable_overlap: None  # noqa: E731
+    req = SimpleNamespace(return_logprob=True, return_hidden_states=False)
+    message = integration.refuse_logprobs_hook(sglang_check, req, True)
+    assert message.startswith("sglang-dflash does not serve return_logprob") and "SGLANG_DFLASH_IMPL=builtin" in message
+    assert integration.refuse_logprobs_hook(sglang_check, SimpleNamespace(return_logprob=False), True) is None
+    monkeypatch.setattr(integration, "_serving", False)  # EAGLE, NGRAM, the built-in DFLASH: SGLang's own check
+    assert integration.refuse_logprobs_hook(sglang_check, req, True) is None
+
+
+def test_a_draft_only_the_builtin_implements_goes_to_the_builtin(tmp_path, caplog):
+    """DFlash2 (0.5.19+) is served by the built-in, with one log line; where SGLang has no such
+    draft either, the plugin names the architecture it expected."""
+    draft = write_checkpoint(str(tmp_path / "d2"))
+    path = os.path.join(draft, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    args = server_args(tmp_path, speculative_draft_model_path=draft)
+    seen = []
+    if "DFlash2DraftModel" in RELEASE.builtin_only_drafts():
+        with caplog.at_level("INFO", logger="sglang_dflash"):
+            integration.handle_dflash_args_hook(seen.append, args)
+        assert seen == [args]
+        assert "built-in implementation: the draft's architecture DFlash2DraftModel" in caplog.text
+        assert integration.create_worker_hook(lambda self, a: "builtin-worker", _Dflash(), args) == "builtin-worker"
+    else:
+        with pytest.raises(SystemExit, match="architectures: expected"):
+            integration.handle_dflash_args_hook(seen.append, args)
+
+
+class _Dflash:
+    @staticmethod
+    def is_dflash():
+        return True
+
+
+def test_dp_attention_goes_to_the_builtin_where_it_serves_it_else_one_line(tmp_path):
+    dp = dict(attn_dp_size=2) if RELEASE.has("attn_dp_size") else dict(enable_dp_attention=True)
+    args = server_args(tmp_path, **dp)
+    seen = []
+    if RELEASE.has("builtin_dp_attention"):
+        integration.handle_dflash_args_hook(seen.append, args)
+        assert seen == [args]
+    else:
+        flag = "--attn-dp-size" if RELEASE.has("attn_dp_size") else "--enable-dp-attention"
+        with pytest.raises(SystemExit, match=f"sglang-dflash: {flag}: sglang-dflash does not serve DFLASH with DP"):
+            integration.handle_dflash_args_hook(seen.append, args)

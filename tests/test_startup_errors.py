@@ -14,6 +14,10 @@ import sys
 
 import pytest
 
+from sglang_dflash import compat
+
+RELEASE = compat.running()
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PORT = 31999
 
@@ -26,8 +30,11 @@ def pair(tmp_path_factory):
     return str(out / "target"), str(out / "draft")
 
 
-def draft_variant(src, dst, config=None, weights=None):
+def draft_variant(src, dst, config=None, weights=None, config_text=None):
     shutil.copytree(src, dst)
+    if config_text is not None:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            f.write(config_text)
     if config:
         with open(os.path.join(dst, "config.json")) as f:
             cfg = json.load(f)
@@ -46,6 +53,10 @@ def draft_variant(src, dst, config=None, weights=None):
 # name: (draft variant or None for the good draft, extra flags, words the one line must contain)
 CASES = {
     "wrong draft path": ("missing", [], "'{draft}' does not exist"),
+    "unknown hub id": ("hub", [], "is not a local folder and the hub has no copy"),
+    "draft config.json that is not JSON": ({"config_text": '{"architectures": ["DFlashDraftModel"],'}, [],
+                                          "config.json: not valid JSON"),
+    "draft config without model_type": ({"config": lambda c: c.pop("model_type")}, [], "model_type: missing"),
     "draft folder without config.json": ("empty", [], "has no config.json"),
     "draft for another hidden size": ({"config": lambda c: c.update(hidden_size=128)}, [], "hidden_size"),
     "draft for another vocab": ({"config": lambda c: c.update(vocab_size=1000)}, [], "vocab_size"),
@@ -54,8 +65,12 @@ CASES = {
     "block larger than the context": (None, ["--context-length", "8", "--speculative-num-draft-tokens", "16"],
                                       "exceeds the context length 8"),
     "pipeline parallel": (None, ["--pp-size", "2"], "--pp-size"),
-    "DP attention": (None, ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"], "--enable-dp-attention"),
 }
+DP_ATTENTION = (["--attn-dp-size", "2", "--tp-size", "2"] if RELEASE.has("attn_dp_size")
+                else ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"])
+if not RELEASE.has("builtin_dp_attention"):  # where the built-in serves it, it is the built-in's to check
+    CASES["DP attention"] = (None, DP_ATTENTION, "--attn-dp-size" if RELEASE.has("attn_dp_size")
+                             else "--enable-dp-attention")
 RECORD = []
 
 
@@ -72,17 +87,15 @@ def test_bad_configuration_fails_at_start_with_one_line(name, pair, tmp_path):
         draft = good
     elif variant == "missing":
         draft = str(tmp_path / "no-such-draft")
+    elif variant == "hub":
+        draft = "no-such-org/no-such-draft"
     elif variant == "empty":
         draft = str(tmp_path / "empty")
         os.makedirs(draft)
     else:
         draft = draft_variant(good, str(tmp_path / "draft"), **variant)
     assert port_is_free(PORT)
-    out = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "DFLASH",
-         "--speculative-draft-model-path", draft, "--device", "cpu", "--port", str(PORT), *flags],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "SGLANG_PLUGINS": "dflash"},
-    )
+    out = launch(target, draft, flags)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     last = lines[-1] if lines else ""
     RECORD.append({"case": name, "exit_code": out.returncode, "message": last,
@@ -91,6 +104,23 @@ def test_bad_configuration_fails_at_start_with_one_line(name, pair, tmp_path):
     assert last.startswith("sglang-dflash: ") and words.format(draft=draft) in last, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert port_is_free(PORT)  # nothing was left listening
+
+
+def launch(target, draft, flags):
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "DFLASH",
+         "--speculative-draft-model-path", draft, "--device", "cpu", "--port", str(PORT), *flags],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "SGLANG_PLUGINS": "dflash", "HF_HUB_OFFLINE": "1"},
+    )
+
+
+@pytest.mark.skipif(not RELEASE.has("builtin_dp_attention"), reason="the built-in serves DP attention from 0.5.23")
+def test_dp_attention_is_left_to_the_builtin_with_a_log_line(pair):
+    target, draft = pair
+    out = launch(target, draft, DP_ATTENTION)
+    assert "DFLASH is served by SGLang's built-in implementation: DP attention is served by the built-in only" \
+        in out.stderr, out.stderr[-2000:]
 
 
 def test_write_evidence():
