@@ -13,6 +13,28 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+# The environment switches the plugin reads, all here (the README lists them).
+IMPL_ENV = "SGLANG_DFLASH_IMPL"  # plugin (default) or builtin: SGLang's own DFLASH, for side by side
+# For --dtype float32 servers (AR too): SGLang's CUDA rmsnorm and JIT q/k-norm have no float32 path.
+FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"  # 1 = float32 norms take SGLang's torch implementation
+FUSED_CONTEXT_KV_ENV = "SGLANG_DFLASH_FUSED_CONTEXT_KV"  # 0 = draft context K/V layer by layer (A/B runs)
+IMPLEMENTATIONS = ("plugin", "builtin")
+
+
+def selected_implementation() -> str:
+    impl = os.environ.get(IMPL_ENV, "plugin").strip().lower() or "plugin"
+    if impl not in IMPLEMENTATIONS:
+        raise SystemExit(f"sglang-dflash: {IMPL_ENV}={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    return impl
+
+
+def fp32_norms() -> bool:
+    return os.environ.get(FP32_NORM_ENV) == "1"
+
+
+def fused_context_kv() -> bool:
+    return os.environ.get(FUSED_CONTEXT_KV_ENV, "1") != "0"
 DEFAULT_BLOCK_SIZE = 16
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Buffers some HF exports carry along; they hold no trained weights.

@@ -26,17 +26,13 @@ any symbol the plugin needs: DFLASH stays with the built-in, and the log says wh
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 from . import compat
+from .config import FP32_NORM_ENV, IMPL_ENV, fp32_norms, selected_implementation  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("sglang_dflash")
 
-IMPL_ENV = "SGLANG_DFLASH_IMPL"
-# Opt-in, for correctness runs: SGLang's CUDA rmsnorm kernel has no float32 path, so
-# ``--dtype float32`` servers (AR included) fail without it.
-FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"
 RMSNORM_CUDA = "sglang.srt.layers.layernorm.RMSNorm.forward_cuda"
 GEMMA_RMSNORM_CUDA = "sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda"  # Qwen3.5 / Qwen3-Next
 # Its JIT kernel has no float32 build either, and a failed build is retried on every forward.
@@ -45,18 +41,9 @@ HANDLE_DFLASH_ARGS = compat.HOOK_TARGETS["handle_dflash_args"]
 UPDATE_FINISH_STATE = compat.HOOK_TARGETS["stop_before_length"]
 VALIDATE_REQUEST = compat.HOOK_TARGETS["refuse_logprobs"]
 
-IMPLEMENTATIONS = ("plugin", "builtin")
-
 # Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
 # so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
 _serving = False
-
-
-def selected_implementation() -> str:
-    impl = os.environ.get(IMPL_ENV, "plugin").strip().lower() or "plugin"
-    if impl not in IMPLEMENTATIONS:
-        raise SystemExit(f"sglang-dflash: {IMPL_ENV}={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    return impl
 
 
 def builtin_reason(impl: str, release: compat.SGLangRelease) -> Optional[str]:
@@ -80,7 +67,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     impl = selected_implementation()
-    if os.environ.get(FP32_NORM_ENV) == "1":
+    if fp32_norms():
         HookRegistry.register(RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
         HookRegistry.register(GEMMA_RMSNORM_CUDA, fp32_rmsnorm_hook, HookType.AROUND)
         HookRegistry.register(QKNORM_CHECK, fp32_qknorm_hook, HookType.AROUND)

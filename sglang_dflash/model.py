@@ -33,7 +33,9 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.runtime_context import get_parallel
 
-from .config import IGNORED_TENSOR_SUFFIXES, DFlashConfigError, DFlashDraftConfig, canonical_tensor_name
+from .config import (
+    IGNORED_TENSOR_SUFFIXES, DFlashConfigError, DFlashDraftConfig, canonical_tensor_name, fused_context_kv,
+)
 from .ops.context_kv import norm_rope_split
 
 
@@ -166,7 +168,7 @@ class DFlashDraftModel(nn.Module):
         num_features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_hidden_layers
         self.fc = nn.Linear(num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self._stacked_kv = None  # (weight, bias, k-norm weights), built after the weights load
-        self._fused_context_kv = os.environ.get("SGLANG_DFLASH_FUSED_CONTEXT_KV", "1") != "0"
+        self._fused_context_kv = fused_context_kv()
 
     def get_attention_sliding_window_size(self) -> Optional[int]:
         cfg = self.dflash_config

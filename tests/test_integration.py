@@ -275,8 +275,7 @@ def plugin_serving(monkeypatch):
 
 
 def speculative_finish(budget, output_ids, step_sizes):
-    """The same tokens committed a verify step at a time, through the hook."""
-    from sglang.srt.managers.schedule_batch import Req
+    """The same tokens committed a verify step at a time, as the plugin's DFLASH server finishes them."""
 
     req, done = make_req(budget, []), 0
     for n in step_sizes:
