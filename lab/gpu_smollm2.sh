@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Train and measure a DFlash draft for SmolLM2-135M-Instruct on the lent GPU. A run carries at most
-# 64 MiB, so the kit and the model travel in parts (scripts/pack_carry.sh), one per run, back to back
+# 64 MiB, so the kit and the model travel in parts (lab/pack_carry.sh), one per run, back to back
 # (the machine stays warm 30 s); every run stashes its part and says what is still missing.
-# Here first: ../shared/devkit/pack-smollm2.sh && bash scripts/pack_carry.sh
+# Here first: ../shared/devkit/pack-smollm2.sh && bash lab/pack_carry.sh
 #             python scripts/fetch_datasets.py --data-dir .bench-data --datasets sharegpt,gsm8k,humaneval,mbpp,mt-bench
 #             python scripts/fetch_datasets.py --data-dir .bench-eval --datasets gsm8k,humaneval,mt-bench  (0.6 MB)
 # The tree carries the shipped draft (24 MB), so each run holds one part and little else:
-#   runs 1-5, carrying .carry1 .. .carry5:  source scripts/gpu_setup.sh || true   (or any GPU test command)
-#   then, carrying .bench-data:             bash scripts/gpu_smollm2.sh train      (regenerates, trains; again: resumes)
-#   or, carrying .bench-eval:               bash scripts/gpu_smollm2.sh measure [IMPLS] | profile | extra
+#   runs 1-5, carrying .carry1 .. .carry5:  source lab/gpu_setup.sh || true   (or any GPU test command)
+#   then, carrying .bench-data:             bash lab/gpu_smollm2.sh train      (regenerates, trains; again: resumes)
+#   or, carrying .bench-eval:               bash lab/gpu_smollm2.sh measure [IMPLS] | profile | extra
 # The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/gpu_setup.sh
+source lab/gpu_setup.sh
 out=${OUT:-$PWD/smollm2-out}
 target=/tmp/smollm2
 # The shipped draft when the tree has one, else the one trained on this machine.

@@ -2,9 +2,10 @@
 # Re-pack the GPU kit and the SmolLM2 GGUF into carry folders small enough to travel next to a
 # tree that holds the shipped draft (~24 MB): a run carries at most 64 MiB in all.
 #   here, once:  ../shared/devkit/build-gpu-kit.sh $PWD/.devkit && ../shared/devkit/pack-smollm2.sh
-#                bash scripts/pack_carry.sh            -> .carry1 .. .carry5 (each ~27-33 MB)
+#                bash lab/pack_carry.sh            -> .carry1 .. .carry5 (each ~27-33 MB)
 #   GPU runs:    carry .carry1, then .carry2, ... back to back; every run stashes what it carries
-#                (scripts/gpu_setup.sh), and the kit / the model assemble once all their parts are there.
+#                (lab/gpu_setup.sh), and the kit / the model assemble once all their parts are there.
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for f in .devkit/kit_core.tar.xz .devkit-m1/gguf.part00 .devkit-m2/gguf.part01 .devkit-m2/gguf_to_hf.py; do

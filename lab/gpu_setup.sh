@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Source on the GPU machine (no registry there): SGLang from the carried kit, then this checkout
 # installed in development mode so SGLang's plugin loader finds the entry point.
-#   source scripts/gpu_setup.sh
-# The kit comes either whole (.devkit) or in parts (.carry1, .carry2 from scripts/pack_carry.sh,
+#   source lab/gpu_setup.sh
+# The kit comes either whole (.devkit) or in parts (.carry1, .carry2 from lab/pack_carry.sh,
 # one per run, back to back): every run stashes the parts it carries in /tmp/devkit-parts.
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; return 0 2>/dev/null || exit 0 ;; esac
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 parts=/tmp/devkit-parts
 mkdir -p $parts

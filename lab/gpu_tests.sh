@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU test run on the lent machine: bash lab/gpu_tests.sh [pytest -k expression]
+# The kit: carry .devkit, or .carry1 then .carry2 (lab/pack_carry.sh) in back-to-back runs.
+# Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
+#   bash lab/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
+#   bash lab/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
+#   DFLASH_LOAD_SECONDS=300 bash lab/gpu_tests.sh reliability    # odd requests, 1000 with aborts, c64 load
+#   DFLASH_TP_SIZE=2 bash lab/gpu_tests.sh "float32 and greedy" # on nvidia-h200-x2
+#   bash lab/gpu_tests.sh "hybrid and not builtin"              # Qwen3.5 hybrid target, draft window
+#   bash lab/gpu_tests.sh "hybrid and builtin"                  # the built-in on the checkpoint test
+#   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=$PWD/results/smollm2-draft bash lab/gpu_tests.sh "bfloat16 and greedy"
+#                                # bf16 rule on a real pair, held-out chat prompts (carry .bench-eval)
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source lab/gpu_setup.sh
+export DFLASH_TINY_DIR=${DFLASH_TINY_DIR:-/tmp/dflash-tiny} DFLASH_GPU_RESULTS=${OUT:-$PWD/gpu-results}
+[ -f "$DFLASH_TINY_DIR/draft/model.safetensors" ] || python3 scripts/make_tiny_pair.py "$DFLASH_TINY_DIR" > /dev/null 2>&1
+python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${1:+-k "$1"} 2>&1 | grep -vE "it/s\]|s/it\]" | tee "$DFLASH_GPU_RESULTS/pytest.log"
