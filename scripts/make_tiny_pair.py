@@ -2,6 +2,8 @@
 
     python scripts/make_tiny_pair.py OUT [--draft zero|random] [--block-size 16] [--target-arch qwen3_5]
 
+It needs the package installed (``pip install -e .``), and transformers and tokenizers.
+
 The target has one "magnet" token: its final norm amplifies one hidden coordinate that only
 the magnet's lm_head row reads, so greedy decoding emits it in runs of varying length. A
 ``zero`` draft (final norm weight 0) always proposes token 0 = the magnet, which gives the
@@ -22,6 +24,8 @@ import os
 
 import torch
 from safetensors.torch import save_file
+
+from sglang_dflash.bench.cli import HelpFormatter
 
 SPECIALS = ["<|magnet|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # magnet = id 0
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # Qwen3.5's processor
@@ -94,20 +98,28 @@ def save_hybrid_extras(target_dir, arch, tok, cfg_path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
-    ap.add_argument("--draft", choices=["zero", "random"], default="zero")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=4096)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("out", help="folder that gets target/ and draft/")
+    ap.add_argument("--draft", choices=["zero", "random"], default="zero",
+                    help="zero: always proposes the magnet token; random: an untrained draft")
+    ap.add_argument("--block-size", type=int, default=16, help="the draft's block size")
+    ap.add_argument("--hidden", type=int, default=512, help="hidden size of target and draft")
+    ap.add_argument("--layers", type=int, default=8, help="target layers (>= 4)")
+    ap.add_argument("--draft-layers", type=int, default=2, help="draft layers")
+    ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size to train (specials included)")
     ap.add_argument("--magnet", type=float, default=3.0, help="strength of the magnet token (0: off)")
     ap.add_argument("--logit-scale", type=float, default=8.0, help="lm_head gain: peaky logits, few near-ties")
-    ap.add_argument("--target-arch", choices=["qwen3", "qwen3_5", "qwen3_next"], default="qwen3")
+    ap.add_argument("--target-arch", choices=["qwen3", "qwen3_5", "qwen3_next"], default="qwen3",
+                    help="qwen3: dense; qwen3_5, qwen3_next: hybrid (gated delta net) targets")
     ap.add_argument("--draft-sliding-window", type=int, default=0,
                     help="make the first draft layer a sliding_attention layer with this window (0: all full)")
     args = ap.parse_args()
+    if args.block_size < 2 or args.layers < 4 or args.draft_layers < 1 or args.hidden < 2:
+        ap.error("--block-size >= 2, --layers >= 4, --draft-layers >= 1 and --hidden >= 2 are required")
+    smallest_vocab = 256 + len(SPECIALS + VISION_SPECIALS)  # the byte alphabet and the special tokens
+    if args.vocab < smallest_vocab or args.draft_sliding_window < 0 or args.logit_scale <= 0 or args.magnet < 0:
+        ap.error(f"--vocab >= {smallest_vocab}, --draft-sliding-window >= 0, --logit-scale > 0 and --magnet >= 0 "
+                 "are required")
     target_dir, draft_dir = os.path.join(args.out, "target"), os.path.join(args.out, "draft")
     os.makedirs(target_dir, exist_ok=True)
     os.makedirs(draft_dir, exist_ok=True)

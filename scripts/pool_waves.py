@@ -1,97 +1,13 @@
-"""Plugin vs built-in over several interleaved runs: every paired wave pooled per concurrency.
+#!/usr/bin/env python3
+"""Plugin vs built-in over several interleaved benchmark runs: paired waves pooled.
 
-One run's waves swing by tens of percent on a host-bound model, so a single run cannot rank two
-servers that are close. Pooling the paired waves of several runs (each pair ran the same prompts,
-adjacent in time) gives a geometric mean with a 95% bootstrap interval; the accept length is
-pooled as all completion tokens over all verify steps.
-
-    python scripts/pool_waves.py RUN/results.json [RUN2/results.json ...] --output-dir DIR
+The same as ``python -m sglang_dflash.bench.pool``, with the package installed (``pip install -e .``);
+``--help`` lists the options.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
 import sys
-from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmark_sglang import paired_ratio_stats, paired_wave_ratios  # noqa: E402
-
-
-def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> dict:
-    """runs: name -> rows of a results.json. Returns per concurrency the pooled wave statistics,
-    accept lengths and each server's tok/s (all its tokens over all its seconds; a server in only
-    some runs, AR say, is pooled over those), and the wave statistics per run and dataset."""
-    ratios = defaultdict(list)
-    tokens, seconds = (defaultdict(lambda: defaultdict(lambda: [0, 0])) for _ in range(2))
-    per_run = []
-    for name, rows in runs.items():
-        for (dataset, conc), r in sorted(paired_wave_ratios(rows, a, b).items()):
-            if r:
-                ratios[conc] += r
-                per_run.append({"run": name, "dataset": dataset, "concurrency": conc, **paired_ratio_stats(r)})
-        for row in rows:
-            if row["label"] in (a, b) and row.get("spec_verify_ct"):
-                tokens[row["concurrency"]][row["label"]][0] += row["output_tokens"]
-                tokens[row["concurrency"]][row["label"]][1] += row["spec_verify_ct"]
-            if row.get("wall_s"):  # every server ran every wave: its tokens over its seconds
-                seconds[row["concurrency"]][row["label"]][0] += row["output_tokens"]
-                seconds[row["concurrency"]][row["label"]][1] += row["wall_s"]
-    if not ratios:
-        raise SystemExit(f"no run pairs {a} with {b} wave by wave (was it run with --interleave?)")
-    pooled = {}
-    for conc in sorted(ratios):
-        accept = {lab: t / v for lab, (t, v) in tokens[conc].items() if v}
-        entry = {**paired_ratio_stats(ratios[conc]), f"{a}_accept_len": accept.get(a), f"{b}_accept_len": accept.get(b),
-                 **{f"{lab}_tok_s": t / w for lab, (t, w) in seconds[conc].items() if w}}
-        if accept.get(a) and accept.get(b):
-            entry["accept_len_ratio"] = accept[a] / accept[b]
-        pooled[f"c{conc}"] = entry
-    return {"pooled": pooled, "per_run": per_run, "runs": list(runs)}
-
-
-def markdown(result: dict, a: str = "plugin", b: str = "builtin") -> str:
-    lines = [f"# {a} / {b}, paired waves pooled over {len(result['runs'])} interleaved runs", "",
-             "| concurrency | waves | waves >= 1x | geometric mean | 95% interval | accept length "
-             f"{a} / {b} | tok/s {a} / {b} (AR) |", "|---|---|---|---|---|---|---|"]
-    for conc, e in result["pooled"].items():
-        acc = (f"{e[f'{a}_accept_len']:.3f} / {e[f'{b}_accept_len']:.3f} ({100 * (e['accept_len_ratio'] - 1):+.1f}%)"
-               if "accept_len_ratio" in e else "-")
-        ar = f" ({e['ar_tok_s']:.0f})" if e.get("ar_tok_s") else ""
-        lines.append(f"| {conc[1:]} | {e['waves']} | {e['at_least_1x']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} | {acc} | {e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}{ar} |")
-    lines += ["", "Per run and dataset:", "", "| run | dataset | concurrency | waves | geometric mean | 95% interval |",
-              "|---|---|---|---|---|---|"]
-    for e in result["per_run"]:
-        lines.append(f"| {e['run']} | {e['dataset']} | {e['concurrency']} | {e['waves']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="+", help="results.json of runs made with --interleave")
-    ap.add_argument("--output-dir", required=True)
-    args = ap.parse_args(argv)
-    runs = {}
-    for path in args.results:
-        if not os.path.isfile(path):
-            ap.error(f"no such file: {path}")
-        with open(path) as f:
-            runs[os.path.basename(os.path.dirname(os.path.abspath(path)))] = json.load(f)["rows"]
-    result = pool(runs)
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "pooled_waves.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = markdown(result)
-    with open(os.path.join(args.output_dir, "pooled_waves.md"), "w") as f:
-        f.write(text)
-    print(text, end="")
-    return 0
-
+from sglang_dflash.bench.pool import main
 
 if __name__ == "__main__":
     sys.exit(main())

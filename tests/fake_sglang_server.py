@@ -1,4 +1,4 @@
-"""A stand-in for an SGLang server on localhost, for CPU tests of benchmark_sglang.py.
+"""A stand-in for an SGLang server on localhost, for CPU tests of the benchmark (sglang_dflash.bench).
 
     python tests/fake_sglang_server.py --port P [--accept 3.0] [--fail-every N] [--delay-ms D] [--leak-on-abort]
 

@@ -1,5 +1,6 @@
-"""benchmark_sglang.py and the dataset cache, against a fake SGLang server started by the tests."""
+"""The benchmark (sglang_dflash.bench) and the dataset cache, against a fake SGLang server started by the tests."""
 
+import glob
 import gzip
 import json
 import os
@@ -10,9 +11,18 @@ import zipfile
 
 import pytest
 
-import benchmark_sglang as bench
 from conftest import write_char_tokenizer
-from scripts import fetch_datasets as fd
+
+from sglang_dflash.bench import cli, offline_accept_length, pool, profile_step, stress, sweep
+from sglang_dflash.bench import datasets as fd
+from sglang_dflash.train import __main__ as train_cli
+from sglang_dflash.train import plot as train_plot
+from sglang_dflash.bench.client import RequestResult, get_json
+from sglang_dflash.bench.pool import main as pool_main
+from sglang_dflash.bench.profile_step import summarize_trace, worker_steps
+from sglang_dflash.bench.report import paired_wave_table, plot
+from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
+from sglang_dflash.bench.stats import paired_ratio_stats, side_by_side, summarize
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -37,7 +47,7 @@ def start_fake(port, *flags):
     proc = subprocess.Popen([sys.executable, FAKE, "--port", str(port), *flags])
     for _ in range(100):
         try:
-            bench.get_json(f"http://127.0.0.1:{port}/health_generate", timeout=1)
+            get_json(f"http://127.0.0.1:{port}/health_generate", timeout=1)
             return proc
         except OSError:
             time.sleep(0.05)
@@ -49,11 +59,11 @@ def start_fake(port, *flags):
 
 
 def test_parse_args_defaults_and_lists():
-    a = bench.parse_args(["--model-path", "m", "--draft-model-path", "d", "--concurrencies", "1,4,8,16,32",
+    a = sweep.parse_args(["--model-path", "m", "--draft-model-path", "d", "--concurrencies", "1,4,8,16,32",
                           "--block-sizes", "8,16", "--impls", "ar,plugin,ngram,spec:eagle"])
     assert a.concurrencies == [1, 4, 8, 16, 32] and a.block_sizes == [8, 16]
     assert a.impls == ["ar", "plugin", "ngram", "spec:eagle"] and a.temperature == 0.0 and a.thinking is False
-    assert bench.parse_args(["--model-path", "m", "--impls", "ar"]).block_sizes == [None]
+    assert sweep.parse_args(["--model-path", "m", "--impls", "ar"]).block_sizes == [None]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -66,19 +76,19 @@ def test_parse_args_defaults_and_lists():
 ])
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        bench.parse_args(["--model-path", "m", *argv])
+        sweep.parse_args(["--model-path", "m", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_server_commands_carry_flags_and_env():
-    spec = bench.ServerSpec("builtin", "T", "D", 8, ["--attention-backend", "triton"])
+    spec = ServerSpec("builtin", "T", "D", 8, ["--attention-backend", "triton"])
     cmd = spec.command(1234)
     assert cmd[cmd.index("--speculative-algorithm") + 1] == "DFLASH"
     assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "8"
     assert cmd[-2:] == ["--attention-backend", "triton"] and spec.env()["SGLANG_DFLASH_IMPL"] == "builtin"
-    eagle = bench.ServerSpec("spec:eagle", "T").command(1)
+    eagle = ServerSpec("spec:eagle", "T").command(1)
     assert eagle[eagle.index("--speculative-algorithm") + 1] == "EAGLE"
-    assert "--speculative-algorithm" not in bench.ServerSpec("ar", "T").command(1)
+    assert "--speculative-algorithm" not in ServerSpec("ar", "T").command(1)
 
 
 # ---- datasets ----------------------------------------------------------------------------------
@@ -130,7 +140,7 @@ def test_truncated_sharegpt_is_salvaged():
 
 
 def test_missing_dataset_says_how_to_fetch(tmp_path):
-    with pytest.raises(SystemExit, match="run scripts/fetch_datasets.py --datasets gsm8k"):
+    with pytest.raises(SystemExit, match="run sglang-dflash-fetch-datasets --datasets gsm8k"):
         fd.load_dataset_prompts("gsm8k", str(tmp_path), 4)
 
 
@@ -144,26 +154,26 @@ def test_side_by_side_summary():
 
     rows = [row("ar", 1, 100.0, None), row("plugin", 1, 250.0, 3.2), row("builtin", 1, 240.0, 3.1),
             row("ar", 8, 500.0, None), row("plugin", 8, 900.0, 3.0)]
-    got = bench.side_by_side(rows)
+    got = side_by_side(rows)
     assert list(got) == ["c1"]  # c8 lacks the built-in
     assert got["c1"] == {"ar_tok_s": 100.0, "plugin_tok_s": 250.0, "builtin_tok_s": 240.0, "plugin_accept_len": 3.2,
                          "builtin_accept_len": 3.1, "plugin_kv_after": 0, "builtin_kv_after": 0}
 
 
 def test_summary_percentiles_and_accept_length():
-    rs = [bench.RequestResult(ok=True, completion_tokens=10, spec_verify_ct=4, ttft=0.1, latency=1.0),
-          bench.RequestResult(ok=True, completion_tokens=30, spec_verify_ct=6, ttft=0.3, latency=3.2),
-          bench.RequestResult(ok=False, error="boom")]
-    s = bench.summarize(rs, wall_s=4.0)  # TPOT = (latency - ttft) / (tokens - 1) = 0.1 s for both
+    rs = [RequestResult(ok=True, completion_tokens=10, spec_verify_ct=4, ttft=0.1, latency=1.0),
+          RequestResult(ok=True, completion_tokens=30, spec_verify_ct=6, ttft=0.3, latency=3.2),
+          RequestResult(ok=False, error="boom")]
+    s = summarize(rs, wall_s=4.0)  # TPOT = (latency - ttft) / (tokens - 1) = 0.1 s for both
     assert s["output_tok_s"] == 10.0 and s["accept_length"] == 4.0 and s["errors"] == 1
     assert s["ttft_p50_ms"] == 200.0 and s["tpot_p50_ms"] == 100.0 and s["first_error"] == "boom"
 
 
 def test_skip_launch_against_a_running_server(tmp_path, chat_model, data_dir):
-    port = bench.free_port()
+    port = free_port()
     proc = start_fake(port, "--accept", "4", "--fail-every", "5")
     try:
-        rc = bench.main(["--model-path", chat_model, "--impls", "plugin", "--skip-launch", "--base-url",
+        rc = sweep.main(["--model-path", chat_model, "--impls", "plugin", "--skip-launch", "--base-url",
                          f"http://127.0.0.1:{port}", "--datasets", "gsm8k", "--data-dir", data_dir,
                          "--num-prompts", "8", "--concurrencies", "1,4", "--output-dir", str(tmp_path)])
     finally:
@@ -176,10 +186,10 @@ def test_skip_launch_against_a_running_server(tmp_path, chat_model, data_dir):
 
 def test_waves_repeat_prompts_until_each_level_has_enough_requests():
     prompts = [{"text": str(i)} for i in range(5)]
-    assert bench.level_workload(prompts, 1, 3) == prompts  # never fewer than the prompts
-    work = bench.level_workload(prompts, 4, 3)
+    assert sweep.level_workload(prompts, 1, 3) == prompts  # never fewer than the prompts
+    work = sweep.level_workload(prompts, 4, 3)
     assert [p["text"] for p in work] == [str(i % 5) for i in range(12)]
-    assert bench.level_workload([], 8, 2) == []
+    assert sweep.level_workload([], 8, 2) == []
 
 
 def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_model, data_dir, monkeypatch):
@@ -191,10 +201,10 @@ def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_mode
         return [sys.executable, FAKE, "--port", str(port), "--accept", accept[self.impl],
                 "--delay-ms", "3" if self.impl == "ar" else "1"]
 
-    monkeypatch.setattr(bench.ServerSpec, "command", command)
+    monkeypatch.setattr(ServerSpec, "command", command)
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"lossless": {"prompts": 3}}))
-    rc = bench.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
+    rc = sweep.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
                      "--datasets", "gsm8k,mt-bench", "--data-dir", data_dir, "--num-prompts", "6",
                      "--concurrencies", "1,2", "--output-dir", str(tmp_path), "--startup-timeout", "30",
                      "--summary", str(summary)])
@@ -219,17 +229,45 @@ def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_mode
         assert os.path.getsize(tmp_path / png) > 1000
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_sweep_where_every_server_fails_still_reports(tmp_path, chat_model, data_dir, monkeypatch, capsys,
+                                                         interleave):
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [
+        sys.executable, "-c", f"print('no GPU for {self.impl}'); raise SystemExit(3)"])
+    rc = sweep.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin",
+                     "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "2", "--concurrencies", "1",
+                     "--output-dir", str(tmp_path), "--startup-timeout", "30",
+                     *(["--interleave"] if interleave else [])])
+    assert rc == 1
+    printed = capsys.readouterr().out
+    assert "## Servers that failed to start" in printed and "no GPU for plugin" in printed
+    assert open(tmp_path / "report.md").read() in printed
+    assert [f["label"] for f in json.load(open(tmp_path / "results.json"))["server_failures"]] == ["ar", "plugin"]
+    assert not list(tmp_path.glob("*.png"))  # nothing measured, nothing drawn
+
+
+def test_plots_draw_what_was_measured(tmp_path):
+    def row(label, conc, tok_s, accept):
+        return {"label": label, "dataset": "gsm8k", "concurrency": conc, "output_tok_s": tok_s, "accept_length": accept}
+
+    assert plot([], str(tmp_path)) == []
+    ar_only = plot([row("ar", 1, 10.0, None), row("ar", 8, 50.0, None)], str(tmp_path))
+    assert [os.path.basename(p) for p in ar_only] == ["throughput.png"]  # no accept lengths to draw
+    both = plot([row("ar", 1, 10.0, None), row("plugin", 1, 30.0, 3.5)], str(tmp_path))
+    assert [os.path.basename(p) for p in both] == ["throughput.png", "accept_length.png"]
+
+
 def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_dir, monkeypatch):
     def command(self, port):
         if self.impl == "builtin":
             return [sys.executable, "-c", "raise SystemExit(3)"]
         return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if self.impl == "ar" else "4"]
 
-    monkeypatch.setattr(bench.ServerSpec, "command", command)
-    turns, run = [], bench.run_requests
-    monkeypatch.setattr(bench, "run_requests",
+    monkeypatch.setattr(ServerSpec, "command", command)
+    turns, run = [], sweep.run_requests
+    monkeypatch.setattr(sweep, "run_requests",
                         lambda url, work, conc, desc="": turns.append(desc) or run(url, work, conc, desc))
-    rc = bench.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
+    rc = sweep.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin,builtin",
                      "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
                      "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
     res = json.load(open(tmp_path / "results.json"))
@@ -251,37 +289,37 @@ def test_report_pairs_interleaved_waves():
     def row(label, waves):
         return {"label": label, "dataset": "gsm8k", "concurrency": 8, "wave_tok_s": waves}
 
-    table = bench.paired_wave_table([row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0])],
+    table = paired_wave_table([row("plugin", [90.0, 120.0, 100.0]), row("builtin", [100.0, 100.0, 50.0])],
                                     ["gsm8k"], [8])
     # ratios 0.9, 1.2, 2.0: geometric mean (0.9 * 1.2 * 2.0) ** (1/3) = 1.29
     assert table[-2].startswith("| 8 | 1.20x [0.90, 2.00], 2/3; 1.29x (")
-    assert bench.paired_wave_table([row("plugin", [1.0])], ["gsm8k"], [8]) == []
+    assert paired_wave_table([row("plugin", [1.0])], ["gsm8k"], [8]) == []
 
 
 def test_paired_ratio_interval_covers_the_geomean_and_narrows_with_more_waves():
     noisy = [0.8, 1.25] * 4
-    few, many = bench.paired_ratio_stats(noisy), bench.paired_ratio_stats(noisy * 16)
+    few, many = paired_ratio_stats(noisy), paired_ratio_stats(noisy * 16)
     assert few["geomean"] == pytest.approx(1.0) and few["at_least_1x"] == 4 and few["waves"] == 8
     assert few["ci95"][0] < 1.0 < few["ci95"][1]
     assert many["ci95"][1] - many["ci95"][0] < 0.5 * (few["ci95"][1] - few["ci95"][0])
-    clearly_faster = bench.paired_ratio_stats([1.1, 1.2, 1.15, 1.3, 1.05] * 4)
+    clearly_faster = paired_ratio_stats([1.1, 1.2, 1.15, 1.3, 1.05] * 4)
     assert clearly_faster["ci95"][0] > 1.0
-    assert bench.paired_ratio_stats(noisy) == few  # seeded: the same figures every time
+    assert paired_ratio_stats(noisy) == few  # seeded: the same figures every time
     with pytest.raises(ValueError):
-        bench.paired_ratio_stats([])
+        paired_ratio_stats([])
 
 
 def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data_dir, monkeypatch):
     """AR and plugin in one sweep, the built-in in another: one report, speedups across both."""
     accept = {"ar": "1", "plugin": "4", "builtin": "3"}
-    monkeypatch.setattr(bench.ServerSpec, "command", lambda self, port: [
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [
         sys.executable, FAKE, "--port", str(port), "--accept", accept[self.impl]])
     common = ["--model-path", chat_model, "--draft-model-path", "d", "--datasets", "gsm8k", "--data-dir", data_dir,
               "--num-prompts", "4", "--concurrencies", "1,2", "--startup-timeout", "30"]
-    assert bench.main(common + ["--impls", "ar,plugin", "--output-dir", str(tmp_path / "a")]) == 0
-    assert bench.main(common + ["--impls", "builtin", "--output-dir", str(tmp_path / "b")]) == 0
+    assert sweep.main(common + ["--impls", "ar,plugin", "--output-dir", str(tmp_path / "a")]) == 0
+    assert sweep.main(common + ["--impls", "builtin", "--output-dir", str(tmp_path / "b")]) == 0
     summary = tmp_path / "summary.json"
-    rc = bench.main(["--from-results", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+    rc = sweep.main(["--from-results", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
                      "--output-dir", str(tmp_path / "merged"), "--summary", str(summary)])
     assert rc == 0
     rows = {(r["label"], r["concurrency"]): r for r in json.load(open(tmp_path / "merged" / "results.json"))["rows"]}
@@ -297,13 +335,11 @@ def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data
 
 def test_from_results_names_a_missing_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--from-results", str(tmp_path / "nope.json")])
+        sweep.parse_args(["--from-results", str(tmp_path / "nope.json")])
     assert "no such file" in capsys.readouterr().err
 
 
 def test_step_profile_summary_splits_host_and_gpu_time():
-    from scripts.profile_step import summarize_trace
-
     ev = lambda name, cat, ts, dur, tid=1, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts,  # noqa: E731
                                                     "dur": dur, "pid": 0, "tid": tid, "args": args}
     events = [
@@ -342,8 +378,6 @@ def test_step_profile_summary_splits_host_and_gpu_time():
 
 
 def test_wave_profile_counts_worker_calls():
-    from scripts.profile_step import worker_steps
-
     ev = lambda name: {"ph": "X", "cat": "python_function", "name": name, "ts": 0, "dur": 1}  # noqa: E731
     events = [ev("sglang_dflash/worker.py(278): forward_batch_generation")] * 3 + [
         ev("sglang/srt/speculative/dflash_worker_v2.py(1380): forward_batch_generation"),
@@ -354,8 +388,6 @@ def test_wave_profile_counts_worker_calls():
 
 
 def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, capsys):
-    from scripts.pool_waves import main
-
     def row(label, conc, waves, tokens, verify, dataset="gsm8k"):
         return {"label": label, "dataset": dataset, "concurrency": conc, "wave_tok_s": waves,
                 "output_tokens": tokens, "spec_verify_ct": verify, "wall_s": tokens / sum(waves) * len(waves)}
@@ -371,7 +403,7 @@ def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, cap
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps({"rows": rows}))
         paths.append(str(tmp_path / name / "results.json"))
-    assert main(paths + ["--output-dir", str(tmp_path / "out")]) == 0
+    assert pool_main(paths + ["--output-dir", str(tmp_path / "out")]) == 0
     pooled = json.load(open(tmp_path / "out" / "pooled_waves.json"))
     c8 = pooled["pooled"]["c8"]
     assert list(pooled["pooled"]) == ["c8"] and c8["waves"] == 3 and c8["at_least_1x"] == 2
@@ -383,32 +415,73 @@ def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, cap
     assert "| 8 | 3 | 2 | 1.059x |" in capsys.readouterr().out
     assert "| 108 / 100 (50) |" in open(tmp_path / "out" / "pooled_waves.md").read()  # 700/6.5, 700/7, 400/8
     with pytest.raises(SystemExit):
-        main([str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "x")])
+        pool_main([str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "x")])
 
 
 def test_cpu_slices_keep_servers_and_client_apart():
-    slices, client = bench.cpu_slices(list(range(16)), 3)
+    slices, client = cpu_slices(list(range(16)), 3)
     assert slices == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)] and client == (12, 13, 14, 15)
-    two, rest = bench.cpu_slices([0, 2, 4, 6, 8, 10, 12], 2)
+    two, rest = cpu_slices([0, 2, 4, 6, 8, 10, 12], 2)
     assert two == [(0, 2), (4, 6)] and rest == (8, 10, 12)
     with pytest.raises(ValueError, match="two each"):
-        bench.cpu_slices(list(range(4)), 3)
+        cpu_slices(list(range(4)), 3)
 
 
 def test_pinning_needs_interleaved_servers(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--model-path", "m", "--impls", "ar", "--pin-cpus"])
+        sweep.parse_args(["--model-path", "m", "--impls", "ar", "--pin-cpus"])
     assert "--pin-cpus needs --interleave" in capsys.readouterr().err
 
 
 def test_a_pinned_server_runs_on_its_cpus(tmp_path, monkeypatch):
     """The affinity reaches the launched process (a stand-in for sglang.launch_server)."""
     cpu = sorted(os.sched_getaffinity(0))[0]
-    spec = bench.ServerSpec("ar", "m", cpus=(cpu,))
+    spec = ServerSpec("ar", "m", cpus=(cpu,))
     out = tmp_path / "affinity"
-    monkeypatch.setattr(bench.ServerSpec, "command", lambda self, port: [
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [
         sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(str(sorted(os.sched_getaffinity(0))))"])
-    server = bench.Server(spec, log_path=str(tmp_path / "log"), timeout_s=5)
-    with pytest.raises(bench.ServerError, match="exited with code 0"):
+    server = Server(spec, log_path=str(tmp_path / "log"), timeout_s=5)
+    with pytest.raises(ServerError, match="exited with code 0"):
         server.start()  # the stand-in exits at once: not healthy, but it ran
     assert out.read_text() == f"[{cpu}]"
+
+
+# ---- command lines ------------------------------------------------------------------------------
+
+
+def documented_parsers(monkeypatch, module):
+    """The parsers ``module.main`` builds (subcommands included), after it printed its --help."""
+    built = []
+
+    def keep(*a, **k):
+        built.append(cli.parser(*a, **k))
+        return built[-1]
+
+    monkeypatch.setattr(module, "parser", keep)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    subcommands = [sub for ap in built for action in ap._actions
+                   if isinstance(action.choices, dict) for sub in action.choices.values()]
+    return built + subcommands
+
+
+@pytest.mark.parametrize("module", [sweep, fd, stress, pool, profile_step, offline_accept_length, train_cli,
+                                    train_plot], ids=lambda m: m.__name__)
+def test_every_option_of_every_command_is_documented(module, monkeypatch, capsys):
+    for ap in documented_parsers(monkeypatch, module):
+        undocumented = [a.dest for a in ap._actions if not a.help]
+        assert not undocumented, f"{ap.prog}: options without help text: {undocumented}"
+        assert ap.formatter_class is cli.HelpFormatter  # defaults shown
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_scripts_and_lab_runbooks_answer_help():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tools = [[sys.executable, path] for path in glob.glob(os.path.join(root, "scripts", "*.py"))]
+    tools += [["bash", os.path.join(root, "lab", name)]
+              for name in ("gpu_setup.sh", "gpu_tests.sh", "gpu_smollm2.sh", "pack_carry.sh")]
+    assert len(tools) == 11
+    for tool in tools:
+        done = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip(), (tool, done.stderr[-2000:])

@@ -1,12 +1,13 @@
-"""scripts/stress_sglang.py against the fake server: aborts are counted, leaks and errors are caught."""
+"""sglang_dflash.bench.stress against the fake server: aborts are counted, leaks and errors are caught."""
 
 import json
 
 import pytest
 
-import benchmark_sglang as bench
-from scripts import stress_sglang as stress
 from test_benchmark import start_fake
+
+from sglang_dflash.bench import stress
+from sglang_dflash.bench.server import free_port
 
 
 @pytest.fixture
@@ -14,7 +15,7 @@ def fake():
     started = []
 
     def start(*flags):
-        port = bench.free_port()
+        port = free_port()
         started.append(start_fake(port, *flags))
         return f"http://127.0.0.1:{port}"
 
@@ -56,5 +57,5 @@ def test_load_holds_concurrency_and_counts_errors(fake, tmp_path):
 
 def test_no_server_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
-        stress.main(["--base-url", f"http://127.0.0.1:{bench.free_port()}", "load"])
+        stress.main(["--base-url", f"http://127.0.0.1:{free_port()}", "load"])
     assert "no healthy server" in capsys.readouterr().err

@@ -254,7 +254,7 @@ def test_lr_schedule_follows_whichever_budget_runs_out_first():
 
 
 def test_plot_train_log_draws_runs_in_sequence_and_refuses_other_files(tmp_path):
-    from scripts import plot_train_log as plot
+    from sglang_dflash.train import plot
 
     logs = []
     for run in range(2):
@@ -289,6 +289,52 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert "--samples > 1 needs --sampled-prefix" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_bad_mask_or_layer_before_regenerating(tiny_target, tmp_path, monkeypatch):
+    """No response is regenerated (minutes to hours on a real target) for a run that cannot train."""
+    from tokenizers import Tokenizer, models
+
+    path = tiny_target[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
+
+    def regenerate(*a, **k):
+        raise AssertionError("regenerated before the arguments were checked")
+
+    monkeypatch.setattr(cli, "regenerate", regenerate)
+    base = ["--datasets", "gsm8k", "--data-dir", str(data), "--block-size", "4", "--draft-layers", "1",
+            "--out", str(tmp_path / "d")]
+    with pytest.raises(SystemExit, match="--mask-token-id 99999 is outside the target vocabulary"):
+        cli.main(["--target", path, "--mask-token-id", "99999", *base])
+    with pytest.raises(SystemExit, match=r"--target-layer-ids \[1, 6\]: the target has layers 0..5"):
+        cli.main(["--target", path, "--target-layer-ids", "1,6", *base])
+    # A target whose tokenizer has no mask token, and no --mask-token-id.
+    no_mask = tmp_path / "no_mask"
+    no_mask.mkdir()
+    (no_mask / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")),
+                            eos_token="<unk>").save_pretrained(str(no_mask))
+    with pytest.raises(SystemExit, match="no mask token in the tokenizer: pass --mask-token-id"):
+        cli.main(["--target", str(no_mask), *base])
+    assert not (tmp_path / "d").exists()  # nothing written either
+
+
+def test_cli_checks_datasets_before_loading_anything(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    base = ["--target", str(tmp_path), "--out", str(tmp_path / "o"), "--data-dir", str(tmp_path)]
+    for argv, message in ((["--datasets", "gsm8k,nope"], "unknown datasets ['nope']"),
+                          (["--datasets", "gsm8k"], "run sglang-dflash-fetch-datasets --datasets gsm8k"),
+                          (["--target-layer-ids", "1,x"], "--target-layer-ids: expected comma-separated integers"),
+                          (["--samples", "2", "--sampled-prefix", "4", "--max-new-tokens", "4"],
+                           "above --sampled-prefix")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(base + argv)
+        assert message in capsys.readouterr().err
+    assert cli.parse_args(base + ["--datasets", "gsm8k", "--steps", "0"]).datasets == ["gsm8k"]  # nothing regenerated
+
+
 def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_path, capsys):
     import lzma
 
@@ -312,7 +358,7 @@ def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_pa
 
 
 def test_offline_accept_length_runs_the_reference_loop_on_benchmark_prompts(tiny_target, tmp_path):
-    from scripts import offline_accept_length as offline
+    from sglang_dflash.bench import offline_accept_length as offline
 
     path, model, tok, examples = tiny_target
     data = tmp_path / "data"

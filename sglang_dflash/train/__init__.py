@@ -1,1 +1,1 @@
-"""Training DFlash drafts: ``python -m sglang_dflash.train --help``."""
+"""Training DFlash drafts: ``sglang-dflash-train --help`` (or ``python -m sglang_dflash.train --help``)."""

@@ -1,27 +1,20 @@
 """Training prompts and target-regenerated responses.
 
-Held-out rule: the first ``HELD_OUT`` prompts of every benchmark set are what
-``benchmark_sglang.py`` measures on, so training only ever sees prompts after them.
+Held-out rule: the first ``HELD_OUT`` prompts of every benchmark set are what the benchmark
+(``sglang_dflash.bench``, which takes the first ``--num-prompts``) measures on, so training only
+ever sees prompts after them.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+from ..bench.datasets import read_cached_prompts
+
 HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0,
             "math": 0}  # math: training only (MATH test without MATH-500)
-
-
-def read_cached_prompts(name: str, data_dir: str) -> list[str]:
-    """All prompts of a set cached by ``scripts/fetch_datasets.py`` (the benchmark reads these too)."""
-    path = os.path.join(data_dir, f"{name}.jsonl")
-    if not os.path.isfile(path):
-        raise SystemExit(f"dataset {name!r} is not cached in {data_dir}: run scripts/fetch_datasets.py --datasets {name}")
-    with open(path) as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
 def training_prompts(datasets: Sequence[str], data_dir: str, per_dataset: int) -> list[str]:

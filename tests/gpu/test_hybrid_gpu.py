@@ -1,7 +1,7 @@
 """GPU: a hybrid target (Qwen3.5: gated delta net + full attention) and the draft context window.
 
-    bash scripts/gpu_tests.sh hybrid                           # plugin, plugin + draft window, AR
-    DFLASH_HYBRID_RUNS=builtin bash scripts/gpu_tests.sh hybrid  # the built-in on the same tests
+    bash lab/gpu_tests.sh hybrid                           # plugin, plugin + draft window, AR
+    DFLASH_HYBRID_RUNS=builtin bash lab/gpu_tests.sh hybrid  # the built-in on the same tests
 
 Every server runs the same random Qwen3.5 target (``make_tiny_pair.py --target-arch qwen3_5``)
 with the radix cache and ``--mamba-radix-cache-strategy extra_buffer``; the draft has a
@@ -19,7 +19,8 @@ from functools import lru_cache
 import pytest
 from test_server_gpu import COMMON, MAX_TIE_RATE, RESULTS, ROOT, calibrate, divergence, greedy, ids, save
 
-from benchmark_sglang import Server, ServerSpec, kv_loads, run_requests
+from sglang_dflash.bench.client import kv_loads, run_requests
+from sglang_dflash.bench.server import Server, ServerSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hybrid]
 INTERVAL = 32  # --mamba-track-interval: a checkpoint every 32 tokens (>= 2 blocks, see worker)

@@ -1,6 +1,6 @@
 """GPU: odd requests, aborts and sustained load against the plugin's DFLASH server (tiny pair, bf16).
 
-    bash scripts/gpu_tests.sh reliability        # DFLASH_LOAD_SECONDS=300 by default
+    bash lab/gpu_tests.sh reliability        # DFLASH_LOAD_SECONDS=300 by default
 
 Every request is either served correctly or refused with a clear error, and the server stays up
 with its KV pool and request slots back at their idle counts. Results go to DFLASH_GPU_RESULTS.
@@ -14,8 +14,9 @@ import urllib.request
 
 import pytest
 
-from benchmark_sglang import Server, ServerSpec, kv_loads
-from scripts.stress_sglang import alive, run_aborts, run_load
+from sglang_dflash.bench.client import kv_loads
+from sglang_dflash.bench.server import Server, ServerSpec
+from sglang_dflash.bench.stress import alive, run_aborts, run_load
 from test_server_gpu import COMMON, RESULTS, save, tiny_pair
 
 pytestmark = pytest.mark.gpu

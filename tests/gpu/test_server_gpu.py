@@ -18,7 +18,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from benchmark_sglang import Server, ServerSpec, kv_loads, post_json, run_requests
+from sglang_dflash.bench.client import kv_loads, post_json, run_requests
+from sglang_dflash.bench.server import Server, ServerSpec
 from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie
 
 pytestmark = pytest.mark.gpu
@@ -64,14 +65,14 @@ def tiny_pair():
 
 
 # A real pair (DFLASH_TARGET) is prompted with held-out chat prompts from these cached sets
-# (scripts/fetch_datasets.py; DFLASH_DATA_DIR, default .bench-eval): (set, how many).
+# (sglang-dflash-fetch-datasets; DFLASH_DATA_DIR, default .bench-eval): (set, how many).
 CHAT_SETS = [("gsm8k", 120), ("humaneval", 50), ("mt-bench", 30)]
 
 
 @lru_cache(maxsize=None)
 def chat_ids(seed):
     """The chat prompts of CHAT_SETS, templated for the target, in a seeded order (loaded once per seed)."""
-    from scripts.fetch_datasets import load_dataset_prompts
+    from sglang_dflash.bench.datasets import load_dataset_prompts
     from transformers import AutoTokenizer
 
     data_dir = os.environ.get("DFLASH_DATA_DIR") or os.path.join(ROOT, ".bench-eval")

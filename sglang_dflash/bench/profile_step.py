@@ -1,0 +1,251 @@
+"""Where a decode step's time goes: plugin DFLASH vs the built-in, on the same work.
+
+Each implementation serves the same target and draft. SGLang's profiler records, with Python
+stacks, either ``--steps`` scheduler steps while ``--concurrency`` requests keep the batch full, or
+(``--wave``) one whole wave of ``--concurrency`` identical requests, so both are traced over the same
+context lengths. The traces are summarised here (they are tens of MB): per step, the host time of
+every Python function (inclusive and self), the GPU kernel time and launches, the GPU time by the
+worker call that launched each kernel, and where the host waited on the GPU.
+
+    python -m sglang_dflash.bench.profile_step --model-path T --draft-model-path D --output-dir OUT \\
+        [--impls plugin,builtin] [--wave]
+
+The summary goes to OUT/profile_step.json, the raw traces to --trace-dir.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import shlex
+import sys
+import threading
+import time
+from collections import defaultdict
+
+from .cli import comma_list, parser
+from .client import post_json, run_requests
+from .server import Server, ServerSpec, is_implementation
+from .stats import summarize
+
+
+SPEC_CODE = ("sglang_dflash/", "speculative/")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+OUTSIDE = "(outside the speculative worker)"
+
+
+def load_trace(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def frame_name(name: str) -> str:
+    """A Python frame's name without object addresses, so both servers' traces share names."""
+    return re.sub(r" at 0x[0-9a-f]+", "", name)
+
+
+def caller_label(frames: list[dict]) -> str:
+    """The speculative-worker call that encloses a launch: its innermost frame of the worker's own
+    code and the call it made, e.g. ``worker.py(336): draft_step > model_runner.py(1382): forward``.
+    A CUDA-graph replay then names the graph (draft or target), an eager op the op."""
+    for depth in range(len(frames) - 1, -1, -1):
+        if any(k in frames[depth]["name"] for k in SPEC_CODE):
+            label = frame_name(frames[depth]["name"])
+            return label + (" > " + frame_name(frames[depth + 1]["name"]) if depth + 1 < len(frames) else "")
+    return OUTSIDE
+
+
+def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
+    """Per-step host time by Python function (inclusive, scheduler thread), GPU kernel totals, and
+    each kernel's time by the worker call that launched it."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in complete if e.get("cat") == "kernel"]
+    python = [e for e in complete if e.get("cat") == "python_function"]
+    # The scheduler thread is the one with the most Python time.
+    per_thread = defaultdict(float)
+    for e in python:
+        per_thread[(e.get("pid"), e.get("tid"))] += e["dur"]
+    main = max(per_thread, key=per_thread.get) if per_thread else None
+    on_main = lambda e: (e.get("pid"), e.get("tid")) == main  # noqa: E731
+    python = [e for e in python if on_main(e)]
+    runtime = [e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and on_main(e)]
+    by_function, self_time = defaultdict(float), defaultdict(float)
+    calls = defaultdict(int)
+    callers = {}  # correlation id of a launch -> caller_label
+    # One sweep over frames and launches in time order (a frame before its children), keeping the
+    # open frames on a stack: a call's self time is its duration minus its children's.
+    items = [(e["ts"], 0, -e["dur"], i, e) for i, e in enumerate(python)]
+    items += [(e["ts"], 1, 0, i, e) for i, e in enumerate(runtime)]
+    stack: list[dict] = []
+    for ts, is_launch, _, _, e in sorted(items, key=lambda x: x[:4]):
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+            stack.pop()
+        if is_launch:
+            callers[e.get("args", {}).get("correlation")] = caller_label(stack)
+            continue
+        name = frame_name(e["name"])
+        if stack:
+            self_time[frame_name(stack[-1]["name"])] -= e["dur"]
+        stack.append(e)
+        by_function[name] += e["dur"]
+        self_time[name] += e["dur"]
+        calls[name] += 1
+    ours = lambda n: any(k in n for k in SPEC_CODE)  # noqa: E731
+    # Where the host waits for the GPU: synchronising calls, and copies (from pageable memory they block)
+    waits = defaultdict(float)
+    for e in runtime:
+        if re.search(r"Synchronize|Memcpy", e["name"]):
+            waits[callers.get(e.get("args", {}).get("correlation"), OUTSIDE) + " : " + e["name"]] += e["dur"]
+    kernel_time, kernel_calls = defaultdict(float), defaultdict(int)
+    by_caller = defaultdict(lambda: defaultdict(float))
+    for e in kernels:
+        name = e["name"][:90]
+        kernel_time[name] += e["dur"]
+        kernel_calls[name] += 1
+        by_caller[callers.get(e.get("args", {}).get("correlation"), OUTSIDE)][name] += e["dur"]
+    span = (max(e["ts"] + e["dur"] for e in complete) - min(e["ts"] for e in complete)) if complete else 0.0
+    per_step = lambda us: round(us / steps, 1)  # noqa: E731
+    ranked = sorted(by_function.items(), key=lambda x: -x[1])
+    kernels_ranked = sorted(kernel_time.items(), key=lambda x: -x[1])[:top]
+    callers_ranked = sorted(by_caller.items(), key=lambda x: -sum(x[1].values()))
+    return {
+        "steps": steps,
+        "trace_span_us_per_step": per_step(span),
+        "gpu_kernel_us_per_step": per_step(sum(e["dur"] for e in kernels)),
+        "kernel_launches_per_step": round(len(kernels) / steps, 1),
+        "python_us_per_step": {n: per_step(t) for n, t in ranked[:top]},
+        "python_calls_per_step": {n: round(calls[n] / steps, 2) for n, _ in ranked[:top]},
+        "python_self_us_per_step": {n: per_step(t) for n, t in sorted(self_time.items(), key=lambda x: -x[1])[:top]},
+        # every function of the speculative worker's own code, inclusive
+        "spec_code_us_per_step": {n: per_step(t) for n, t in ranked if ours(n)},
+        "kernels_us_per_step": {n: per_step(t) for n, t in kernels_ranked},
+        "kernel_calls_per_step": {n: round(kernel_calls[n] / steps, 2) for n, _ in kernels_ranked},
+        # GPU time by the worker call that launched it, then its largest kernels
+        "gpu_us_per_step_by_caller": {c: per_step(sum(k.values())) for c, k in callers_ranked},
+        "host_wait_us_per_step_by_caller": {c: per_step(t) for c, t in sorted(waits.items(), key=lambda x: -x[1])},
+        "kernels_us_per_step_by_caller": {
+            c: {n: per_step(t) for n, t in sorted(k.items(), key=lambda x: -x[1])[:8]} for c, k in callers_ranked
+        },
+    }
+
+
+def keep_busy(url: str, payload: dict, concurrency: int, stop: threading.Event) -> threading.Thread:
+    def loop():
+        while not stop.is_set():
+            run_requests(url, [payload] * concurrency, concurrency, desc="load")
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def wait_for_trace(trace_dir: str, timeout_s: float = 180) -> None:
+    """Until a trace file exists and its size has stopped changing (the exporter writes for a while)."""
+    deadline, last = time.time() + timeout_s, None
+    while time.time() < deadline:
+        sizes = [os.path.getsize(p) for p in glob.glob(os.path.join(trace_dir, "*.json*"))]
+        if sizes and sizes == last:
+            return
+        last = sizes or None
+        time.sleep(3)
+
+
+def worker_steps(events: list[dict]) -> int:
+    """How many times the scheduler called the speculative worker (prefill and decode steps)."""
+    return sum(
+        1 for e in events
+        if e.get("cat") == "python_function" and e.get("name", "").endswith(": forward_batch_generation")
+        and any(k in e["name"] for k in SPEC_CODE)
+    )
+
+
+def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
+    """Steady mode: ``--steps`` steps caught mid-flight under constant load. Wave mode: one whole
+    wave of identical requests, from their prefill to their last token, so both implementations
+    are traced over the same context lengths."""
+    trace_dir = os.path.join(args.trace_dir, spec.label)
+    os.makedirs(trace_dir, exist_ok=True)
+    payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
+                                                         "ignore_eos": True}}
+    start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": True}
+    wave = None
+    with Server(spec, log_path=os.path.join(out_dir, f"server-{spec.label}.log"), timeout_s=600) as server:
+        if args.wave:
+            run_requests(server.url, [payload] * args.concurrency, args.concurrency, desc="warm-up")
+            post_json(server.url + "/start_profile", start)
+            results, wall_s = run_requests(server.url, [payload] * args.concurrency, args.concurrency, desc="wave")
+            post_json(server.url + "/stop_profile", {})
+            wave = summarize(results, wall_s)
+        else:
+            stop = threading.Event()
+            loader = keep_busy(server.url, payload, args.concurrency, stop)
+            time.sleep(args.settle_s)  # batch full, caches warm
+            post_json(server.url + "/start_profile", {**start, "num_steps": args.steps})
+        wait_for_trace(trace_dir)
+        if not args.wave:
+            stop.set()
+            loader.join(timeout=120)
+    traces = sorted(glob.glob(os.path.join(trace_dir, "*.json*")))
+    if not traces:
+        raise SystemExit(f"{spec.label}: no trace written to {trace_dir}")
+    events = load_trace(traces[-1])
+    steps = worker_steps(events) if args.wave else args.steps
+    if not steps:
+        raise SystemExit(f"{spec.label}: the trace holds no call of the speculative worker")
+    report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
+    if wave is not None:
+        report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
+                                               "accept_length", "wall_s", "output_tok_s")}
+    return report
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__, prog="python -m sglang_dflash.bench.profile_step")
+    ap.add_argument("--model-path", required=True, help="target model")
+    ap.add_argument("--draft-model-path", required=True, help="DFlash draft checkpoint")
+    ap.add_argument("--impls", default="plugin,builtin",
+                    help="comma list of servers to profile in turn: plugin, builtin, ar, ngram or spec:NAME")
+    ap.add_argument("--concurrency", type=int, default=32, help="requests in flight (wave mode: the wave)")
+    ap.add_argument("--steps", type=int, default=30, help="steady mode: steps to trace")
+    ap.add_argument("--wave", action="store_true",
+                    help="trace one whole wave of --concurrency requests instead of --steps steps mid-flight")
+    ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (EOS ignored)")
+    ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.",
+                    help="the one prompt every request sends")
+    ap.add_argument("--settle-s", type=float, default=8.0,
+                    help="steady mode: seconds of load before tracing starts (batch full, caches warm)")
+    ap.add_argument("--server-args", default="--attention-backend triton --grammar-backend none "
+                    "--disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.3 --log-level warning",
+                    help="flags passed to every server, one string")
+    ap.add_argument("--trace-dir", default="/tmp/dflash-traces", help="where SGLang's profiler writes the raw traces")
+    ap.add_argument("--output-dir", required=True, help="profile_step.json and the server logs")
+    args = ap.parse_args(argv)
+    impls = comma_list(args.impls)
+    unknown = [impl for impl in impls if not is_implementation(impl)]
+    if unknown or not impls:
+        ap.error(f"--impls: unknown implementations {unknown}" if unknown else "--impls: name at least one")
+    if args.concurrency < 1 or args.steps < 1 or args.max_new_tokens < 1 or args.settle_s < 0:
+        ap.error("--concurrency, --steps and --max-new-tokens >= 1, --settle-s >= 0")
+    try:
+        server_args = shlex.split(args.server_args)
+    except ValueError as e:
+        ap.error(f"--server-args: {e}")
+    os.makedirs(args.output_dir, exist_ok=True)
+    report = {"settings": vars(args)}
+    for impl in impls:
+        spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, server_args)
+        report[impl] = profile_impl(spec, args, args.output_dir)
+        print(json.dumps({impl: {k: report[impl][k] for k in ("trace_span_us_per_step", "gpu_kernel_us_per_step",
+                                                               "kernel_launches_per_step")}}), flush=True)
+    with open(os.path.join(args.output_dir, "profile_step.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

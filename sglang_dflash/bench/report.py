@@ -1,0 +1,137 @@
+"""What a sweep writes: ``report.md``, the plots and the headline figures in ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from .stats import paired_ratio_stats, paired_wave_ratios
+
+
+def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
+    """Interleaved runs: ``a`` over ``b`` wave by wave (same prompts, adjacent in time), where
+    the totals alone would hide how much single waves swing."""
+    ratios = {k: v for k, v in paired_wave_ratios(rows, a, b).items() if v}
+    if not ratios:
+        return []
+    lines = [f"## {a} / {b}, wave by wave (interleaved): median [min, max], waves where {a} >= {b}; "
+             "geometric mean (95% bootstrap interval)", "",
+             "| concurrency | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+    for c in concs:
+        cells = []
+        for d in datasets:
+            r = ratios.get((d, c))
+            if r is None:
+                cells.append("-")
+                continue
+            st = paired_ratio_stats(r)
+            cells.append(f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}], {st['at_least_1x']}/{st['waves']}; "
+                         f"{st['geomean']:.2f}x ({st['ci95'][0]:.2f}-{st['ci95'][1]:.2f})")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
+    lines = ["# DFLASH benchmark", ""]
+    lines += [f"- {k}: `{v}`" for k, v in settings.items()] + [""]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    concs = sorted({r["concurrency"] for r in rows})
+    by = {(r["dataset"], r["label"], r["concurrency"]): r for r in rows}
+    for c in concs:
+        lines += [f"## Output tok/s (speedup vs AR), concurrency {c}", "",
+                  "| impl | " + " | ".join(datasets) + " |", "|---|" + "---|" * len(datasets)]
+        for lab in labels:
+            cells = []
+            for d in datasets:
+                r = by.get((d, lab, c))
+                if r is None:
+                    cells.append("-")
+                else:
+                    sp = f" ({r['speedup']:.2f}x)" if r.get("speedup") else ""
+                    err = f" [{r['errors']} err]" if r["errors"] else ""
+                    cells.append(f"{r['output_tok_s']:.1f}{sp}{err}")
+            lines.append(f"| {lab} | " + " | ".join(cells) + " |")
+        lines.append("")
+    spec_labels = [lab for lab in labels if any(r["accept_length"] for r in rows if r["label"] == lab)]
+    if spec_labels:
+        lines += ["## Mean accept length (completion tokens / verify steps)", "",
+                  "| impl | concurrency | " + " | ".join(datasets) + " |", "|---|---|" + "---|" * len(datasets)]
+        for lab in spec_labels:
+            for c in concs:
+                cells = [f"{by[(d, lab, c)]['accept_length']:.2f}" if by.get((d, lab, c)) and by[(d, lab, c)]["accept_length"] else "-" for d in datasets]
+                lines.append(f"| {lab} | {c} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += paired_wave_table(rows, datasets, concs)
+    lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['tpot_p50_ms']} | {r['tpot_p99_ms']} |")
+    if failures:
+        lines += ["", "## Servers that failed to start", ""]
+        for f in failures:
+            lines += [f"### {f['label']}: {f['error']}", "", "```", f["log_tail"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    """``throughput.png`` and ``accept_length.png`` of what was measured; nothing when nothing was
+    (every server failed) or matplotlib is missing. Returns the files written."""
+    if not rows:
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
+    for ax, d in zip(axes[0], datasets):
+        for lab in labels:
+            pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["dataset"] == d and r["label"] == lab)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=lab)
+        concs = sorted({r["concurrency"] for r in rows})
+        ax.set(title=d, xlabel="concurrency", ylabel="output tok/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concs, [str(c) for c in concs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "throughput.png")
+    fig.savefig(path, dpi=110)
+    written.append(path)
+    spec = [lab for lab in labels if any(r["accept_length"] for r in rows if r["label"] == lab)]
+    if spec:
+        fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(datasets), 3.6))
+        width = 0.8 / len(spec)
+        for i, lab in enumerate(spec):
+            vals = [statistics.mean([r["accept_length"] for r in rows if r["dataset"] == d and r["label"] == lab and r["accept_length"]] or [0]) for d in datasets]
+            ax.bar([j + i * width for j in range(len(datasets))], vals, width, label=lab)
+        ax.set_xticks([j + width * (len(spec) - 1) / 2 for j in range(len(datasets))], datasets)
+        ax.set(ylabel="mean accept length", title="accept length per dataset")
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, "accept_length.png")
+        fig.savefig(path, dpi=110)
+        written.append(path)
+    plt.close("all")
+    return written
+
+
+def update_summary(path: str, updates: dict) -> None:
+    """Merge headline figures into ``results/summary.json``, keeping every other key."""
+    data = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            data = json.load(f)
+    data.update(updates)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)

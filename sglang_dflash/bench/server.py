@@ -1,0 +1,147 @@
+"""Launching and stopping ``sglang.launch_server``: AR, the plugin's DFLASH, the built-in, others."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .client import get_json
+
+IMPLEMENTATIONS = {
+    # name: (extra server flags, extra env)
+    "ar": ([], {}),
+    "plugin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin"}),
+    "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
+    "ngram": (["--speculative-algorithm", "NGRAM"], {}),
+}
+DFLASH_IMPLS = ("plugin", "builtin")
+
+
+def is_implementation(name: str) -> bool:
+    """One of :data:`IMPLEMENTATIONS`, or ``spec:NAME`` for another SGLang speculative algorithm."""
+    return name in IMPLEMENTATIONS or (name.startswith("spec:") and len(name) > 5)
+
+
+@dataclass
+class ServerSpec:
+    impl: str
+    model_path: str
+    draft_model_path: Optional[str] = None
+    block_size: Optional[int] = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict = field(default_factory=dict)
+    cpus: Optional[tuple[int, ...]] = None  # CPU affinity of the server and all its processes
+
+    def command(self, port: int) -> list[str]:
+        if not is_implementation(self.impl):
+            raise ValueError(f"unknown implementation {self.impl!r}")
+        flags, _ = IMPLEMENTATIONS.get(self.impl, (["--speculative-algorithm", self.impl[5:].upper()], {}))
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", "127.0.0.1", "--port", str(port), *flags]
+        if self.impl in DFLASH_IMPLS:
+            if not self.draft_model_path:
+                raise ValueError(f"{self.impl} needs --draft-model-path")
+            cmd += ["--speculative-draft-model-path", self.draft_model_path]
+            if self.block_size:
+                cmd += ["--speculative-num-draft-tokens", str(self.block_size)]
+        elif self.impl == "ngram" and self.block_size:
+            cmd += ["--speculative-num-draft-tokens", str(self.block_size)]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict:
+        return {**os.environ, **IMPLEMENTATIONS.get(self.impl, ([], {}))[1], **self.extra_env}
+
+    @property
+    def label(self) -> str:
+        return self.impl if self.block_size is None or self.impl == "ar" else f"{self.impl}-b{self.block_size}"
+
+
+class ServerError(RuntimeError):
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """Disjoint CPU sets for ``n_servers`` servers up at once, and the rest for the client.
+
+    Each server's scheduler loop spins even while it waits its turn; private sets keep the waiting
+    servers and the client off the cores of the one being measured.
+    """
+    per = len(cpus) // (n_servers + 1)
+    if per < 2:
+        raise ValueError(f"{len(cpus)} CPUs cannot give {n_servers} servers and the client two each")
+    slices = [tuple(cpus[i * per:(i + 1) * per]) for i in range(n_servers)]
+    return slices, tuple(cpus[n_servers * per:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A launched ``sglang.launch_server`` process; a context manager that always stops it."""
+
+    def __init__(self, spec: ServerSpec, port: Optional[int] = None, log_path: Optional[str] = None,
+                 timeout_s: float = 900):
+        self.spec = spec
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or tempfile.mktemp(prefix=f"sglang-{spec.label}-", suffix=".log")
+        self.timeout_s = timeout_s
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cpus = self.spec.cpus
+        with open(self.log_path, "w") as log:  # the server keeps its own handle
+            self.proc = subprocess.Popen(self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.spec.env(), start_new_session=True,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        deadline = time.time() + self.timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.spec.label} server exited with code {self.proc.returncode}", self.log_tail())
+            try:
+                if get_json(self.url + "/health_generate", timeout=5) is not None:
+                    return
+            except OSError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise ServerError(f"{self.spec.label} server not healthy after {self.timeout_s:.0f}s", self.log_tail())
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""

@@ -1,0 +1,355 @@
+"""Benchmark autoregressive decoding against DFLASH (plugin and built-in) on SGLang servers.
+
+    sglang-dflash-bench --model-path TARGET --draft-model-path DRAFT \\
+        --datasets gsm8k,mt-bench --impls ar,plugin,builtin --concurrencies 1,8,32
+
+For every implementation (and block size) it starts a server on localhost, runs every dataset
+at every concurrency (cache flushed, one warm-up wave excluded), stops the server, and writes
+results.json (every raw figure), report.md (tok/s (speedup) grids and accept lengths) and PNG
+plots into --output-dir. A server that fails to start is reported with its log tail and the
+sweep goes on. --skip-launch --base-url URL measures a running server. --interleave keeps every
+server up at once and lets them take turns wave by wave, so a drift in the machine's speed
+(host-bound small models vary by tens of percent between runs) falls on all alike.
+The prompt sets come from the cache that sglang-dflash-fetch-datasets fills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import sys
+from dataclasses import replace
+
+from .cli import comma_list, parser
+from .client import flush_cache, kv_loads, progress, run_requests, server_info
+from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
+from .report import markdown_report, plot, update_summary
+from .server import DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, cpu_slices, is_implementation
+from .stats import add_speedups, side_by_side, summarize
+
+REPORT_SETTINGS = ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def render_prompts(prompts: list[str], model_path: str, thinking: bool) -> list[dict]:
+    """Apply the target's chat template client-side, as the DFlash reference benchmark does."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    out = []
+    for p in prompts:
+        msgs = [{"role": "user", "content": p}]
+        try:
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        except (TypeError, ValueError):
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append({"text": text})
+    return out
+
+
+def sampling_params(args) -> dict:
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.temperature == 0:
+        params.update(top_k=1)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _int_list(ap, flag: str, text: str, minimum: int) -> list[int]:
+    try:
+        values = [int(v) for v in comma_list(text)]
+    except ValueError as e:
+        ap.error(f"{flag}: expected comma-separated integers ({e})")
+    if any(v < minimum for v in values):
+        ap.error(f"{flag} must be >= {minimum}")
+    return values
+
+
+def build_parser():
+    ap = parser(__doc__, prog="sglang-dflash-bench")
+    ap.add_argument("--model-path", help="target model (folder or hub id); required unless --from-results")
+    ap.add_argument("--draft-model-path", help="DFlash draft checkpoint; required for plugin and builtin")
+    ap.add_argument("--impls", default="ar,plugin,builtin",
+                    help=f"comma list of {', '.join(IMPLEMENTATIONS)}, or spec:NAME for another SGLang algorithm "
+                         "(spec:eagle)")
+    add_dataset_options(ap, "gsm8k,mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=64, help="the first N prompts of each dataset (cycled if fewer)")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="output length limit of every request")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (top_k=1)")
+    ap.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                    help="render prompts with the chat template's enable_thinking (default: off)")
+    ap.add_argument("--concurrencies", default="1,8,32", help="comma list of requests in flight, one level each")
+    ap.add_argument("--waves", type=int, default=0,
+                    help="at least this many full waves per level: max(num_prompts, waves x concurrency) "
+                         "requests, the prompts repeated in order (a level shorter than a few waves is all tail)")
+    ap.add_argument("--block-sizes", default="",
+                    help="comma list of --speculative-num-draft-tokens for plugin, builtin and ngram, one server "
+                         "each; empty: the draft's own block size")
+    ap.add_argument("--attention-backend", help="passed to every server (default: SGLang's)")
+    ap.add_argument("--tp-size", type=int, help="passed to every server (default: SGLang's)")
+    ap.add_argument("--mem-fraction-static", type=float, help="passed to every server (default: SGLang's)")
+    ap.add_argument("--server-args", default="", help="extra flags passed to every server, one string")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all servers up at once, taking turns wave by wave (give each a small KV pool: "
+                         "--server-args '--max-total-tokens N')")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="with --interleave: each server on its own equal set of CPUs, the client on the rest")
+    ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url (one --impls)")
+    ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the running server for --skip-launch")
+    ap.add_argument("--output-dir", default="bench-out", help="results.json, report.md, plots")
+    ap.add_argument("--log-dir", help="server logs (default: the output dir)")
+    ap.add_argument("--startup-timeout", type=float, default=900, help="seconds a server may take to become healthy")
+    ap.add_argument("--summary", help="merge headline figures into this JSON file (results/summary.json)")
+    ap.add_argument("--from-results", nargs="+", metavar="RESULTS_JSON",
+                    help="measure nothing: rebuild the report, plots and summary from earlier results.json files")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.from_results:
+        missing = [p for p in args.from_results if not os.path.isfile(p)]
+        if missing:
+            ap.error(f"--from-results: no such file {missing[0]!r}")
+        return args
+    if not args.model_path:
+        ap.error("--model-path is required (unless --from-results)")
+    args.impls = comma_list(args.impls)
+    if not args.impls:
+        ap.error("--impls: name at least one implementation")
+    for impl in args.impls:
+        if not is_implementation(impl):
+            ap.error(f"--impls: unknown implementation {impl!r}")
+        if impl in DFLASH_IMPLS and not args.draft_model_path and not args.skip_launch:
+            ap.error(f"--impls {impl} needs --draft-model-path")
+    args.datasets = comma_list(args.datasets)
+    problem = problem_with_names(args.datasets)
+    if problem:
+        ap.error(f"--datasets: {problem}")
+    args.concurrencies = _int_list(ap, "--concurrencies", args.concurrencies, 1)
+    if not args.concurrencies:
+        ap.error("--concurrencies: name at least one level")
+    args.block_sizes = _int_list(ap, "--block-sizes", args.block_sizes, 1) or [None]
+    if args.pin_cpus and not args.interleave:
+        ap.error("--pin-cpus needs --interleave (it keeps servers that run at once apart)")
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        ap.error("--num-prompts and --max-new-tokens must be >= 1")
+    if args.waves < 0:
+        ap.error("--waves must be >= 0")
+    if args.temperature < 0:
+        ap.error("--temperature must be >= 0")
+    if args.startup_timeout <= 0:
+        ap.error("--startup-timeout must be > 0")
+    if args.tp_size is not None and args.tp_size < 1:
+        ap.error("--tp-size must be >= 1")
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
+        ap.error("--mem-fraction-static must be in (0, 1]")
+    try:
+        shlex.split(args.server_args)
+    except ValueError as e:
+        ap.error(f"--server-args: {e}")
+    if args.skip_launch and len(args.impls) != 1:
+        ap.error("--skip-launch measures one running server: name exactly one --impls")
+    if args.skip_launch and args.interleave:
+        ap.error("--interleave launches its servers: it cannot be combined with --skip-launch")
+    return args
+
+
+def server_flags(args) -> list[str]:
+    flags = shlex.split(args.server_args)
+    for flag, value in (("--attention-backend", args.attention_backend), ("--tp-size", args.tp_size),
+                        ("--mem-fraction-static", args.mem_fraction_static)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep
+
+
+def level_workload(payloads: list[dict], concurrency: int, waves: int) -> list[dict]:
+    """The prompts, repeated in order until ``waves`` full waves of ``concurrency`` are reached."""
+    n = max(len(payloads), waves * concurrency)
+    return [payloads[i % len(payloads)] for i in range(n)] if payloads else []
+
+
+def warm_up(url: str, payloads: list[dict], conc: int, desc: str) -> None:
+    """Radix cache flushed, then one wave that is not measured."""
+    flush_cache(url)
+    run_requests(url, payloads[:conc], conc, desc=f"{desc} warm-up")
+
+
+def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list, wall: float) -> dict:
+    row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
+    # In workload order, so a request can be set beside another implementation's or a reference run's.
+    row["per_request"] = [[r.completion_tokens, r.spec_verify_ct] if r.ok else None for r in results]
+    row["server_after"] = server_info(url)
+    row["kv_after"] = kv_loads(url)
+    acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""
+    print(f"[{spec.label}] {dataset} c={conc} n={row['requests']} tok/s={row['output_tok_s']:.1f}{acc} "
+          f"errors={row['errors']}", flush=True)
+    return row
+
+
+def measure(url: str, spec: ServerSpec, datasets: dict, args) -> list[dict]:
+    rows = []
+    for dataset, payloads in datasets.items():
+        for conc in args.concurrencies:
+            warm_up(url, payloads, conc, f"{spec.label} {dataset} c{conc}")
+            work = level_workload(payloads, conc, args.waves)
+            results, wall = run_requests(url, work, conc, desc=f"{spec.label} {dataset} c{conc}")
+            rows.append(level_row(url, spec, dataset, conc, results, wall))
+    return rows
+
+
+def measure_interleaved(servers: list, datasets: dict, args) -> list[dict]:
+    """Every level's requests in waves of ``concurrency``; for each wave every server runs it, the
+    order rotating by one from wave to wave. Each server's figures add up its own waves."""
+    rows = []
+    for dataset, payloads in datasets.items():
+        for conc in args.concurrencies:
+            for server in servers:
+                warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
+            work = level_workload(payloads, conc, args.waves)
+            waves = [work[i:i + conc] for i in range(0, len(work), conc)]
+            waves_run = {server.spec.label: [] for server in servers}  # (results, wall) per wave
+            for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
+                for server in servers[k % len(servers):] + servers[:k % len(servers)]:
+                    waves_run[server.spec.label].append(
+                        run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
+            for server in servers:
+                runs = waves_run[server.spec.label]
+                results = [r for wave_results, _ in runs for r in wave_results]
+                row = level_row(server.url, server.spec, dataset, conc, results, sum(wall for _, wall in runs))
+                row["wave_tok_s"] = [round(summarize(*run)["output_tok_s"], 1) for run in runs]
+                rows.append(row)
+    return rows
+
+
+def write_results(args, rows: list[dict], failures: list[dict]) -> dict:
+    settings = {k: v for k, v in vars(args).items() if k not in ("skip_launch", "from_results")}
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump({"settings": settings, "rows": rows, "server_failures": failures}, f, indent=1, default=str)
+    return settings
+
+
+def server_failure(spec: ServerSpec, e: ServerError) -> dict:
+    """Say why a server did not start; the record goes into results.json."""
+    print(f"[{spec.label}] server failed: {e}\n{e.log_tail}", file=sys.stderr, flush=True)
+    return {"label": spec.label, "error": str(e), "log_tail": e.log_tail}
+
+
+def sweep(args) -> tuple[list[dict], list[dict]]:
+    """Launch each server in turn (or use the running one) and measure every dataset and concurrency."""
+    problem = problem_with_cache(args.datasets, args.data_dir)
+    if problem:  # before any tokenizer is loaded or server started
+        raise SystemExit(problem)
+    payload_template = sampling_params(args)
+    datasets = {}
+    for d in args.datasets:
+        prompts = render_prompts(load_dataset_prompts(d, args.data_dir, args.num_prompts), args.model_path,
+                                 args.thinking)
+        datasets[d] = [dict(p, sampling_params=payload_template) for p in prompts]
+    rows, failures = [], []
+    specs = []
+    for impl in args.impls:
+        sizes = args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
+        specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
+    log_dir = args.log_dir or args.output_dir
+    os.makedirs(log_dir, exist_ok=True)
+    if args.interleave:
+        return sweep_interleaved(args, specs, datasets, log_dir)
+    for spec in specs:
+        if args.skip_launch:
+            rows += measure(args.base_url, spec, datasets, args)
+            continue
+        log = os.path.join(log_dir, f"server-{spec.label}.log")
+        try:
+            with Server(spec, log_path=log, timeout_s=args.startup_timeout) as server:
+                rows += measure(server.url, spec, datasets, args)
+        except ServerError as e:
+            failures.append(server_failure(spec, e))
+        write_results(args, rows, failures)  # after every server, so a cut-off sweep keeps what it measured
+    return rows, failures
+
+
+def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[list[dict], list[dict]]:
+    """All servers up together (started one after another: each sizes its KV pool from the memory
+    the others left), then :func:`measure_interleaved`. A server that fails to start is reported and
+    the others are measured."""
+    failures = []
+    if args.pin_cpus:
+        slices, client = cpu_slices(sorted(os.sched_getaffinity(0)), len(specs))
+        specs = [replace(spec, cpus=cpus) for spec, cpus in zip(specs, slices)]
+        os.sched_setaffinity(0, client)
+        print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)}", flush=True)
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for spec in specs:
+            log = os.path.join(log_dir, f"server-{spec.label}.log")
+            server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
+            try:
+                server.start()
+            except ServerError as e:
+                failures.append(server_failure(spec, e))
+                continue
+            stack.callback(server.stop)
+            servers.append(server)
+        rows = measure_interleaved(servers, datasets, args) if servers else []
+    return rows, failures
+
+
+def load_results(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """Rows and failures of earlier sweeps (their results.json), in order; settings of the first."""
+    rows, failures, settings = [], [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        failures += data.get("server_failures", [])
+        settings = settings or data.get("settings", {})
+    return rows, failures, settings
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.from_results:
+        rows, failures, earlier = load_results(args.from_results)
+        for key in REPORT_SETTINGS:
+            setattr(args, key, earlier.get(key, getattr(args, key)))
+        args.datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+        args.concurrencies = sorted({r["concurrency"] for r in rows})
+    else:
+        rows, failures = sweep(args)
+    add_speedups(rows)
+    settings = write_results(args, rows, failures)
+    report = markdown_report(rows, {k: settings[k] for k in REPORT_SETTINGS}, failures)
+    with open(os.path.join(args.output_dir, "report.md"), "w") as f:
+        f.write(report)
+    if args.summary:
+        updates = {"benchmark": {"datasets": args.datasets, "concurrencies": args.concurrencies,
+                                 "implementations": list(dict.fromkeys([r["label"] for r in rows] + [f["label"] for f in failures])),
+                                 "report": os.path.join(args.output_dir, "report.md")}}
+        comparison = side_by_side(rows)
+        if comparison:
+            updates["side_by_side"] = comparison
+        update_summary(args.summary, updates)
+    print(report)
+    plot(rows, args.output_dir)  # after the report: whatever the plot meets, the report is out
+    return 1 if failures or any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
