@@ -1,7 +1,13 @@
-"""Shared fixtures: tiny DFlash checkpoints on disk, and skipping GPU tests without a GPU."""
+"""Shared fixtures: tiny DFlash checkpoints on disk; the GPU suite only when asked for.
+
+``pytest`` runs the CPU suite on any machine. The ``gpu`` tests run only under a marker expression
+that names them (``python -m pytest -m gpu tests/gpu``, ``-m "gpu and not hybrid"``), and only
+where CUDA is available: a plain ``pytest`` on a GPU machine does not start SGLang servers.
+"""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -11,11 +17,14 @@ from sglang_dflash.config import DFlashDraftConfig, TargetInfo, expected_draft_t
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if not re.search(r"\bgpu\b", config.getoption("markexpr") or ""):
+        skip = pytest.mark.skip(reason="GPU suite: run it with -m gpu")
+    elif not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    else:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 
