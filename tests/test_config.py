@@ -2,11 +2,12 @@
 
 import json
 import os
+import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import draft_config_dict, target_info, write_checkpoint
-
 
 from sglang_dflash.config import (
     DFlashConfigError,
@@ -123,16 +124,66 @@ def test_rotary_buffers_are_ignored(tmp_path):
     load_and_validate(path, target_info())
 
 
-def test_truncated_and_corrupt_safetensors(tmp_path):
+class HeaderOnlySafeOpen:
+    """``safe_open`` as a reader that trusts the header and never checks the data: a truncated
+    file gets past it, so only the plugin's own length check can refuse the file."""
+
+    def __init__(self, path, framework):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            self.header = {k: v for k, v in json.loads(f.read(header_len)).items() if k != "__metadata__"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def keys(self):
+        return list(self.header)
+
+    def get_slice(self, key):
+        return SimpleNamespace(get_shape=lambda: self.header[key]["shape"])
+
+
+def cut_in_half(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])  # the header, at the front, stays whole
+
+
+# The errors are read by field and problem: the message also holds the checkpoint's path, and
+# pytest names tmp_path after the test, so a pattern could match the path instead.
+def test_truncated_safetensors_is_refused_naming_the_file(tmp_path):
+    path = write_checkpoint(str(tmp_path / "d"))
+    cut_in_half(os.path.join(path, "model.safetensors"))
+    with pytest.raises(DFlashConfigError) as e:
+        load_and_validate(path, target_info())
+    assert e.value.field == "model.safetensors"
+    assert e.value.problem.startswith(("truncated", "unreadable safetensors"))  # safetensors itself may refuse it
+
+
+def test_length_check_catches_a_truncated_file_behind_a_header_only_reader(tmp_path, monkeypatch):
+    import safetensors
+
     path = write_checkpoint(str(tmp_path / "d"))
     weights = os.path.join(path, "model.safetensors")
-    data = open(weights, "rb").read()
-    open(weights, "wb").write(data[: len(data) // 2])
-    with pytest.raises(DFlashConfigError, match="truncated"):
+    monkeypatch.setattr(safetensors, "safe_open", HeaderOnlySafeOpen)
+    assert load_and_validate(path, target_info()).block_size == 16  # the whole file passes the reader
+    cut_in_half(weights)
+    with pytest.raises(DFlashConfigError) as e:
         load_and_validate(path, target_info())
-    open(weights, "wb").write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
-    with pytest.raises(DFlashConfigError, match="unreadable safetensors"):
+    assert e.value.field == "model.safetensors"
+    assert e.value.problem.startswith("truncated: header promises")
+    assert e.value.problem.endswith(f"file has {os.path.getsize(weights)}")
+
+
+def test_corrupt_safetensors_header(tmp_path):
+    path = write_checkpoint(str(tmp_path / "d"))
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(DFlashConfigError) as e:
         load_and_validate(path, target_info())
+    assert e.value.field == "model.safetensors" and e.value.problem.startswith("unreadable safetensors")
 
 
 def test_wrong_path_and_broken_json(tmp_path):
@@ -152,8 +203,9 @@ def test_wrong_path_and_broken_json(tmp_path):
 def test_block_size_flag_overrides_checkpoint(tmp_path):
     path = write_checkpoint(str(tmp_path / "d"))
     assert load_and_validate(path, target_info(), block_size=4).block_size == 4
-    with pytest.raises(DFlashConfigError, match="block_size"):
+    with pytest.raises(DFlashConfigError) as e:
         load_and_validate(path, target_info(), block_size=1)
+    assert e.value.field == "block_size"  # not a match on the message: the path names this test
 
 
 def test_target_info_reads_nested_text_config():
