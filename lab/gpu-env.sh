@@ -1,0 +1,35 @@
+# Source on the GPU machine, from any run that carries one or more kit parts made by
+# lab/build-gpu-kit.sh:   source lab/gpu-env.sh 0.5.23 || exit 0
+# A run can carry only part of the kit, and the machine keeps /tmp only while it stays warm
+# (30 s after a run), so every run stashes the parts it carries in /tmp/kit-VERSION-parts; the
+# run that completes the set unpacks the kit to /tmp/kit-VERSION-site, once per machine.
+# Returns 1 (after saying which parts are stashed) while the kit is still incomplete.
+_kv=${1:?usage: source lab/gpu-env.sh VERSION}
+_kroot=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_kparts=/tmp/kit-$_kv-parts
+_ksite=/tmp/kit-$_kv-site
+mkdir -p "$_kparts"
+for _kf in "$_kroot"/.[!.]*/kit-"$_kv".* "$_kroot"/[!.]*/kit-"$_kv".*; do
+    [ -f "$_kf" ] && [ ! -f "$_kparts/${_kf##*/}" ] && cp "$_kf" "$_kparts"/
+done
+if [ ! -f "$_ksite/.ok" ]; then
+    if [ -f "$_kparts/kit-$_kv.sha256" ] && (cd "$_kparts" && sha256sum -c --quiet "kit-$_kv.sha256" > /dev/null 2>&1); then
+        rm -rf "$_ksite" && mkdir -p "$_ksite" &&
+            cat "$_kparts"/kit-"$_kv".part* | tar -xJ -C "$_ksite" && touch "$_ksite/.ok"
+        echo "gpu-env: kit $_kv unpacked to $_ksite"
+    else
+        echo "gpu-env: kit $_kv incomplete; stashed: $(cd "$_kparts" && ls | tr '\n' ' ')" >&2
+        return 1
+    fi
+fi
+# kit-shim/sitecustomize.py stands in for a cutlass-only SGLang module; see its docstring.
+export PYTHONPATH=$_kroot/lab/kit-shim:$_ksite${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+# The kit's sglang-kernel is the one built for the image's torch 2.11 (0.4.5); SGLang >= 0.5.20
+# asks for a newer one at start-up. 0.5.23 guards the two ops 0.4.5 lacks, so skip the check.
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+# SGLang 0.5.23's default radix-tree core is a bundled Rust extension built against libtorch
+# 2.14's C++ API. It does load on 2.11, but nothing vouches for the object layouts it shares with
+# torch; the pure-Python tree core does the same work and was the one the smoke test ran.
+export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
+unset _kv _kroot _kparts _ksite _kf
