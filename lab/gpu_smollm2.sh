@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # Train and measure a DFlash draft for SmolLM2-135M-Instruct on the lent GPU. A run carries at most
-# 64 MiB, so the kit and the model travel in parts (lab/pack_carry.sh), one per run, back to back
-# (the machine stays warm 30 s); every run stashes its part and says what is still missing.
-# Here first: ../shared/devkit/pack-smollm2.sh && bash lab/pack_carry.sh
-#             python scripts/fetch_datasets.py --data-dir .bench-data --datasets sharegpt,gsm8k,humaneval,mbpp,mt-bench
-#             python scripts/fetch_datasets.py --data-dir .bench-eval --datasets gsm8k,humaneval,mt-bench  (0.6 MB)
+# 64 MiB, so the kit (lab/build-gpu-kit.sh) and the model (lab/pack-smollm2.sh) travel in parts, one
+# per run, back to back (the machine stays warm 30 s); every run stashes its part and says what is
+# still missing. SGLANG_VERSION (default 0.5.17) picks the kit.
+# Here first: lab/build-gpu-kit.sh 0.5.17 .kit0517 && bash lab/pack-smollm2.sh
+#             sglang-dflash-fetch-datasets --data-dir .bench-data --datasets sharegpt,gsm8k,humaneval,mbpp,mt-bench
+#             sglang-dflash-fetch-datasets --data-dir .bench-eval --datasets gsm8k,humaneval,mt-bench  (0.6 MB)
 # The tree carries the shipped draft (24 MB), so each run holds one part and little else:
-#   runs 1-5, carrying .carry1 .. .carry5:  source lab/gpu_setup.sh || true   (or any GPU test command)
+#   runs carrying one kit or model part each:  source lab/gpu_setup.sh || true   (or any GPU test command)
 #   then, carrying .bench-data:             bash lab/gpu_smollm2.sh train      (regenerates, trains; again: resumes)
 #   or, carrying .bench-eval:               bash lab/gpu_smollm2.sh measure [IMPLS] | profile | extra
 # The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
 case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source lab/gpu_setup.sh
+source lab/gpu_setup.sh || exit 0
 out=${OUT:-$PWD/smollm2-out}
 target=/tmp/smollm2
 # The shipped draft when the tree has one, else the one trained on this machine.
 draft=/tmp/smollm2-dflash-b16
 [ -f results/smollm2-draft/model.safetensors ] && [ "$1" != train ] && [ ! -f $draft/trainer_state.pt ] \
     && draft=$PWD/results/smollm2-draft
-flags="--attention-backend triton --grammar-backend none --disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.5 --log-level warning"
+flags="--attention-backend triton --grammar-backend none --disable-prefill-cuda-graph --cuda-graph-max-bs-decode 32 --mem-fraction-static 0.5 --log-level warning"
 bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS; INTERLEAVE=1: all servers up, taking turns
     # (PIN_CPUS=1 as well: each on its own CPUs)
     local mode=; [ -n "${INTERLEAVE:-}" ] && mode="--interleave${PIN_CPUS:+ --pin-cpus}"

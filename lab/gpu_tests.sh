@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU test run on the lent machine: bash lab/gpu_tests.sh [pytest -k expression]
-# The kit: carry .devkit, or .carry1 then .carry2 (lab/pack_carry.sh) in back-to-back runs.
+# The kit: lab/build-gpu-kit.sh parts carried in back-to-back runs (lab/gpu_setup.sh; SGLANG_VERSION picks the release).
 # Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
 #   bash lab/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
 #   bash lab/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
@@ -13,7 +13,7 @@
 case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source lab/gpu_setup.sh
+source lab/gpu_setup.sh || exit 0
 export DFLASH_TINY_DIR=${DFLASH_TINY_DIR:-/tmp/dflash-tiny} DFLASH_GPU_RESULTS=${OUT:-$PWD/gpu-results}
 [ -f "$DFLASH_TINY_DIR/draft/model.safetensors" ] || python3 scripts/make_tiny_pair.py "$DFLASH_TINY_DIR" > /dev/null 2>&1
 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${1:+-k "$1"} 2>&1 | grep -vE "it/s\]|s/it\]" | tee "$DFLASH_GPU_RESULTS/pytest.log"

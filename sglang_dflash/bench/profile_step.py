@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--settle-s", type=float, default=8.0,
                     help="steady mode: seconds of load before tracing starts (batch full, caches warm)")
     ap.add_argument("--server-args", default="--attention-backend triton --grammar-backend none "
-                    "--disable-piecewise-cuda-graph --cuda-graph-max-bs 32 --mem-fraction-static 0.3 --log-level warning",
+                    "--disable-prefill-cuda-graph --cuda-graph-max-bs-decode 32 --mem-fraction-static 0.3 --log-level warning",
                     help="flags passed to every server, one string")
     ap.add_argument("--trace-dir", default="/tmp/dflash-traces", help="where SGLang's profiler writes the raw traces")
     ap.add_argument("--output-dir", required=True, help="profile_step.json and the server logs")

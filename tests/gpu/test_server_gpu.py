@@ -43,8 +43,9 @@ if os.environ.get("DFLASH_RUNS"):
     RUNS = {dtype: [r for r in runs if (r[0], str(r[1])) in _keep] for dtype, runs in RUNS.items()}
 # DFLASH_TP_SIZE=2 runs every server (AR included) tensor-parallel, on a machine with two GPUs.
 TP_SIZE = int(os.environ.get("DFLASH_TP_SIZE", 1))
-COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-piecewise-cuda-graph",
-          "--cuda-graph-max-bs", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
+# Spelled the way every release from 0.5.17 takes them (0.5.20 dropped --disable-piecewise-cuda-graph).
+COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+          "--cuda-graph-max-bs-decode", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
           "--log-level", "warning", "--tp-size", str(TP_SIZE)]
 
 
@@ -112,7 +113,7 @@ def server_spec(impl, dtype, block=16, extra=()):
     # TRITON_F32_DEFAULT=ieee: SGLang's triton attention calls tl.dot without a precision, which
     # is TF32 for float32 inputs; decode and extend kernels then disagree by ~0.05 nats here.
     env = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"} if fp32 else {}
-    graphs = ["--cuda-graph-max-bs", "8"] if fp32 else []  # fp32 capture of 32 sizes stalled once
+    graphs = ["--cuda-graph-max-bs-decode", "8"] if fp32 else []  # fp32 capture of 32 sizes stalled once
     return ServerSpec(impl, target, draft if impl != "ar" else None, block if impl != "ar" else None,
                       COMMON + ["--dtype", dtype, *graphs, *extra], env)
 
