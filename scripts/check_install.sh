@@ -5,7 +5,7 @@
 # Makes WORKDIR/venv-SGLANG_VERSION (default /tmp/dflash-install), installs sglang==VERSION there,
 # then this checkout, and prints the `pip freeze` diff; exits 1 if anything but sglang-dflash changed.
 set -euo pipefail
-[ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ] || [ -z "${1:-}" ] && { sed -n '2,6p' "$0"; exit 2; }
+case "${1:-}" in -h|--help) sed -n '2,6p' "$0"; exit 0 ;; "") sed -n '2,6p' "$0" >&2; exit 2 ;; esac
 version=$1
 work=${2:-/tmp/dflash-install}
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -49,7 +49,9 @@ class DFlashConfigError(ValueError):
         self.problem = problem
         self.source = source
         where = f" in {source}" if source else ""
-        super().__init__(f"DFlash draft{where}: {field_name}: {problem}")
+        # A flag is the user's own: name it alone; anything else lives in the draft checkpoint.
+        subject = "" if field_name.startswith("--") and not source else f"DFlash draft{where}: "
+        super().__init__(f"{subject}{field_name}: {problem}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -348,10 +350,10 @@ def read_checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
     for name in files:
         full = os.path.join(path, name)
         try:
+            _check_safetensors_length(full)  # first: newer safetensors refuse a short file with a vaguer message
             with safe_open(full, framework="pt") as f:
                 for key in f.keys():
                     shapes[key] = tuple(f.get_slice(key).get_shape())
-            _check_safetensors_length(full)
         except DFlashConfigError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -370,7 +372,8 @@ def _check_safetensors_length(path: str) -> None:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
         raise DFlashConfigError(
-            os.path.basename(path), f"truncated: header promises {8 + header_len + end} bytes, file has {size}"
+            os.path.basename(path), f"truncated: header promises {8 + header_len + end} bytes, file has {size}",
+            os.path.dirname(path),
         )
 
 

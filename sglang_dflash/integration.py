@@ -161,7 +161,9 @@ def _release() -> compat.SGLangRelease:
 
 
 def log_builtin_hook(reason, original, server_args):
-    logger.info("DFLASH is served by SGLang's built-in implementation: %s.", reason)
+    # A warning unless asked for: a server meant for the plugin must say it is not running it.
+    log = logger.info if reason == f"{IMPL_ENV}=builtin" else logger.warning
+    log("DFLASH is served by SGLang's built-in implementation: %s.", reason)
     return original(server_args)
 
 

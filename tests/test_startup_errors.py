@@ -61,7 +61,7 @@ CASES = {
     "draft for another hidden size": ({"config": lambda c: c.update(hidden_size=128)}, [], "hidden_size"),
     "draft for another vocab": ({"config": lambda c: c.update(vocab_size=1000)}, [], "vocab_size"),
     "corrupt safetensors": ({"weights": lambda b: b"\x10" + b"\x00" * 7 + b"{garbage"}, [], "unreadable safetensors"),
-    "truncated safetensors": ({"weights": lambda b: b[: len(b) // 2]}, [], "unreadable safetensors"),
+    "truncated safetensors": ({"weights": lambda b: b[: len(b) // 2]}, [], "model.safetensors: truncated: header"),
     "block larger than the context": (None, ["--context-length", "8", "--speculative-num-draft-tokens", "16"],
                                       "exceeds the context length 8"),
     "pipeline parallel": (None, ["--pp-size", "2"], "--pp-size"),
