@@ -1,0 +1,109 @@
+"""GPU: plain decoding and the plugin's DFLASH on the tiny float32 pair, token for token.
+
+A lean cousin of tests/gpu/test_server_gpu.py for proving a new SGLang release on a tight GPU
+budget: both servers start at once, every prompt has one length (each new prompt shape costs the
+float32 Triton attention a ~20 s compile on SGLang 0.5.23), and the JSON is rewritten after each
+stage, so a run cut short still says how far it got.
+
+    python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
+
+Greedy prompts must match AR exactly (float32, IEEE dots); a stop/budget workload puts stop tokens
+and budgets inside verify blocks and must match AR's tokens and finish reasons; both KV pools must
+be back to 0 afterwards. Exit 1 on any mismatch.
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from sglang_dflash import compat
+from sglang_dflash.bench.client import kv_loads, run_requests
+from sglang_dflash.bench.server import Server, ServerSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+         "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
+         "--log-level", "warning", "--dtype", "float32"]
+# SGLang's CUDA rmsnorm has no float32 path; TF32 dots make AR disagree with itself (0.05 nats).
+ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
+
+
+def workload(n, new_tokens, vocab, length=32):
+    rng = random.Random(0)
+    ids = [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+    greedy = [{"input_ids": p, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0}} for p in ids]
+    # Token 0 (the tiny target's magnet) is drafted and emitted often: stops and budgets land inside blocks.
+    stops = [{"input_ids": p, "sampling_params": {"max_new_tokens": 5 + i, "temperature": 0,
+                                                   **({"stop_token_ids": [0]} if i % 2 else {})}}
+             for i, p in enumerate(ids[:48])]
+    return greedy, stops
+
+
+def first_divergence(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="folder for lossless.json and the server logs")
+    parser.add_argument("--prompts", type=int, default=200, help="greedy prompts (default 200)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per greedy prompt (default 128)")
+    parser.add_argument("--block", type=int, default=16, help="DFLASH block size (default 16)")
+    parser.add_argument("--tiny-dir", default="/tmp/dflash-tiny", help="the tiny pair (made if absent)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if not os.path.exists(os.path.join(args.tiny_dir, "draft", "model.safetensors")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), args.tiny_dir],
+                       check=True, capture_output=True)
+    target, draft = os.path.join(args.tiny_dir, "target"), os.path.join(args.tiny_dir, "draft")
+    with open(os.path.join(draft, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32",
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block, "stage": "start"}
+    path = os.path.join(args.out, "lossless.json")
+
+    def save(**kw):
+        record.update(kw)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+    servers = {
+        "ar": Server(ServerSpec("ar", target, extra_args=FLAGS, extra_env=ENV),
+                     log_path=os.path.join(args.out, "server-ar.log"), timeout_s=420),
+        "plugin": Server(ServerSpec("plugin", target, draft, args.block, FLAGS, ENV),
+                         log_path=os.path.join(args.out, "server-plugin.log"), timeout_s=420),
+    }
+    greedy, stops = workload(args.prompts, args.new_tokens, vocab)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.start(), servers.values()))
+        save(stage="servers up")
+        with ThreadPoolExecutor(2) as pool:
+            outs = dict(zip(servers, pool.map(
+                lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
+                servers.values())))
+    finally:
+        for s in servers.values():
+            s.stop()
+    (ar_greedy, ar_stops, ar_kv), (dg, ds, dkv) = outs["ar"], outs["plugin"]
+    greedy_div = [(i, first_divergence(a.output_ids, b.output_ids)) for i, (a, b) in enumerate(zip(ar_greedy, dg))]
+    greedy_div = [(i, d) for i, d in greedy_div if d is not None]
+    stop_div = [i for i, (a, b) in enumerate(zip(ar_stops, ds))
+                if a.output_ids != b.output_ids or a.meta.get("finish_reason") != b.meta.get("finish_reason")]
+    tokens, verify = sum(r.completion_tokens for r in dg), sum(r.spec_verify_ct for r in dg)
+    errors = sum(bool(r.error) for r in ar_greedy + dg + ar_stops + ds)
+    save(stage="done", greedy_mismatches=len(greedy_div), first_divergences=greedy_div[:10],
+         stop_mismatches=len(stop_div), errors=errors, accept_length=tokens / max(verify, 1),
+         tokens=tokens, ar_kv_after=ar_kv, plugin_kv_after=dkv)
+    print(json.dumps(record))
+    clean = not greedy_div and not stop_div and not errors
+    idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in (ar_kv, dkv))
+    sys.exit(0 if clean and idle else 1)
+
+
+if __name__ == "__main__":
+    main()
