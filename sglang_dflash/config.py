@@ -320,18 +320,25 @@ def canonical_tensor_name(name: str) -> str:
 
 
 def check_draft_tensors(cfg: DFlashDraftConfig, found: Mapping[str, Sequence[int]]) -> None:
-    """Raise on missing, extra or misshapen tensors (``found`` maps checkpoint names to shapes)."""
+    """Raise on missing, extra or misshapen tensors (``found`` maps checkpoint names to shapes).
+
+    Names in the message are spelled as in the checkpoint (with its ``model.`` prefix, if it
+    uses one), so a grep of the file finds them.
+    """
     expected = expected_draft_tensors(cfg)
-    have = {canonical_tensor_name(k): tuple(v) for k, v in found.items() if not k.endswith(IGNORED_TENSOR_SUFFIXES)}
-    missing = sorted(set(expected) - set(have))
-    extra = sorted(set(have) - set(expected))
+    as_stored = {canonical_tensor_name(k): k for k in found if not k.endswith(IGNORED_TENSOR_SUFFIXES)}
+    have = {name: tuple(found[key]) for name, key in as_stored.items()}
+    prefix = "model." if any(key.startswith("model.") for key in as_stored.values()) else ""
+    missing = sorted(prefix + name for name in set(expected) - set(have))
+    extra = sorted(as_stored[name] for name in set(have) - set(expected))
     if missing:
         raise DFlashConfigError("weights", f"missing tensors {_clip(missing)}", cfg.source)
     if extra:
         raise DFlashConfigError("weights", f"unexpected tensors {_clip(extra)}", cfg.source)
     for name, shape in expected.items():
         if have[name] != shape:
-            raise DFlashConfigError(name, f"has shape {list(have[name])}, expected {list(shape)}", cfg.source)
+            raise DFlashConfigError(as_stored[name], f"has shape {list(have[name])}, expected {list(shape)}",
+                                    cfg.source)
 
 
 def _clip(names: list[str], n: int = 6) -> str:

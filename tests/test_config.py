@@ -119,6 +119,22 @@ def test_missing_extra_and_misshapen_tensors(tmp_path, kwargs, needle):
         load_and_validate(path, target_info())
 
 
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(drop=("layers.1.mlp.up_proj.weight",)), "missing tensors [model.layers.1.mlp.up_proj.weight]"),
+        (dict(extra={"model.embed_tokens.weight": torch.zeros(256, 64)}), "unexpected tensors [model.embed_tokens.weight]"),
+        (dict(shapes={"fc.weight": (64, 128)}), "model.fc.weight: has shape [64, 128], expected [64, 192]"),
+    ],
+)
+def test_tensor_errors_spell_names_as_the_checkpoint_does(tmp_path, kwargs, needle):
+    """A checkpoint with ``model.``-prefixed keys gets its own spelling back, so a grep finds them."""
+    path = write_checkpoint(str(tmp_path / "d"), prefix="model.", **kwargs)
+    with pytest.raises(DFlashConfigError) as e:
+        load_and_validate(path, target_info())
+    assert needle in str(e.value)
+
+
 def test_rotary_buffers_are_ignored(tmp_path):
     path = write_checkpoint(str(tmp_path / "d"), extra={"layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)})
     load_and_validate(path, target_info())
