@@ -148,12 +148,9 @@ def create_worker_hook(original, self, server_args):
 
 
 def _builtin_for_this_server(server_args) -> Optional[str]:
-    from .config import DFlashConfigError, builtin_serves
+    from .config import builtin_serves
 
-    try:
-        return builtin_serves(server_args, _release())
-    except DFlashConfigError as e:
-        raise SystemExit(f"sglang-dflash: {e}") from None
+    return builtin_serves(server_args, _release())
 
 
 def _release() -> compat.SGLangRelease:
