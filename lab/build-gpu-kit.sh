@@ -14,6 +14,7 @@
 # Left out to fit: FA3 (sgl_kernel/flash_ops.abi3.so, 1.1 GB) and the sm100 ops, so use
 # --attention-backend triton (or flashinfer, which JIT-compiles its kernels); sglang/test,
 # sglang/multimodal_gen, SGLang's Rust benchmark module, and xgrammar 0.2.1's static library.
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -euo pipefail
 ver=${1:?usage: build-gpu-kit.sh VERSION OUTDIR}
 out=${2:?usage: build-gpu-kit.sh VERSION OUTDIR}

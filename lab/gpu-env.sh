@@ -4,6 +4,7 @@
 # (30 s after a run), so every run stashes the parts it carries in /tmp/kit-VERSION-parts; the
 # run that completes the set unpacks the kit to /tmp/kit-VERSION-site, once per machine.
 # Returns 1 (after saying which parts are stashed) while the kit is still incomplete.
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; return 0 2>/dev/null || exit 0 ;; esac
 _kv=${1:?usage: source lab/gpu-env.sh VERSION}
 _kroot=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _kparts=/tmp/kit-$_kv-parts

@@ -4,6 +4,7 @@
 # asked one greedy /generate. Writes to $OUT: env.txt, ar.log, dflash.log, dflash-nooverlap.log,
 # results.txt.
 #   bash lab/smoke-sglang.sh VERSION        (the kit's parts must all have been carried)
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 ver=${1:?usage: smoke-sglang.sh VERSION}
 out=${OUT:-/tmp/smoke-out}
 mkdir -p "$out"
