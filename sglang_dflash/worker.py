@@ -438,7 +438,8 @@ class DFlashWorker(BaseSpecWorker):
 
     @staticmethod
     def _apply_logit_adjustments(logits: torch.Tensor, info, bs: int) -> None:
-        """Penalties, logit bias and custom processors, once per request, broadcast over the block."""
+        """Penalties, logit bias and custom processors with each request's state before the block,
+        applied at every block position (not yet advanced through the drafted tokens)."""
         needs = (
             info.logit_bias is not None
             or info.acc_additive_penalties is not None
@@ -450,9 +451,13 @@ class DFlashWorker(BaseSpecWorker):
 
             apply_custom_logit_processor(logits, info, num_tokens_in_batch=logits.shape[0] // bs)
         if needs:
-            bias = torch.zeros((bs, logits.shape[-1]), dtype=torch.float32, device=logits.device)
-            info.apply_logits_bias(bias)
-            logits.view(bs, -1, logits.shape[-1]).add_(bias[:, None, :].to(logits.dtype))
+            # On the logits themselves, one position at a time: repetition penalties scale them, so
+            # a bias computed on zeros and added would lose them.
+            per_position = logits.view(bs, -1, logits.shape[-1])
+            for k in range(per_position.shape[1]):
+                row = per_position[:, k].contiguous()
+                info.apply_logits_bias(row)
+                per_position[:, k] = row
 
     def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor) -> None:
         """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""

@@ -149,3 +149,23 @@ def test_draft_config_reads_sliding_window_from_the_checkpoint(tmp_path):
     assert hf.to_dict().get("sliding_window") is None  # what SGLang hands the model
     cfg = _draft_config(hf)
     assert cfg.sliding_window == 256 and cfg.layer_types[0] == "sliding_attention"
+
+
+def test_scaling_penalties_reach_every_block_position():
+    """A repetition penalty divides positive logits and multiplies negative ones (SGLang's
+    apply_scaling_penalties); it must act on the logits, not on a zero bias added to them."""
+    from sglang_dflash.worker import DFlashWorker
+
+    def apply_logits_bias(logits):
+        logits[:] = torch.where(logits < 0, logits * scale, logits / scale)
+
+    bs, block, vocab = 2, 4, 8
+    scale = torch.tensor([[2.0], [1.0]])
+    info = SimpleNamespace(logit_bias=None, acc_additive_penalties=None, acc_scaling_penalties=scale,
+                           penalizer_orchestrator=None, has_custom_logit_processor=False,
+                           apply_logits_bias=apply_logits_bias)
+    logits = torch.randn(bs * block, vocab)
+    expected = logits.view(bs, block, vocab).clone()
+    expected[0] = torch.where(expected[0] < 0, expected[0] * 2, expected[0] / 2)
+    DFlashWorker._apply_logit_adjustments(logits, info, bs)
+    torch.testing.assert_close(logits.view(bs, block, vocab), expected)
