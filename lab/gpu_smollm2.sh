@@ -14,7 +14,7 @@
 case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source lab/gpu_setup.sh || exit 0
+source lab/gpu_setup.sh "${SGLANG_VERSION:-0.5.17}" || exit 0
 out=${OUT:-$PWD/smollm2-out}
 target=/tmp/smollm2
 # The shipped draft when the tree has one, else the one trained on this machine.
