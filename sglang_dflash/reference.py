@@ -295,6 +295,36 @@ def truncate_at_stop(tokens: list[int], stop_ids: Sequence[int], max_new_tokens:
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+@dataclass(frozen=True)
+class RequestParams:
+    """The per-token sampling parameters of a request, with SGLang's meaning (its penalizers in
+    overlap mode): additive penalties, then the repetition scaling, then the logit bias."""
+
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    logit_bias: dict = field(default_factory=dict)  # token id -> added logit
+
+    def adjust(self, logits: torch.Tensor, generated: Sequence[int], stop_ids: Sequence[int]) -> torch.Tensor:
+        """The logits of the next token after ``generated`` (this request's output so far)."""
+        z = logits.clone()
+        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=z.shape[-1])[: z.shape[-1]]
+        seen = counts > 0
+        z = z - self.frequency_penalty * counts.to(z.dtype) - self.presence_penalty * seen.to(z.dtype)
+        if len(generated) < self.min_new_tokens and len(stop_ids):
+            z[list(stop_ids)] = float("-inf")
+        if self.repetition_penalty != 1.0:
+            scaled = torch.where(z < 0, z * self.repetition_penalty, z / self.repetition_penalty)
+            z = torch.where(seen, scaled, z)
+        for token, bias in self.logit_bias.items():
+            z[token] += bias
+        return z
+
+
+PLAIN = RequestParams()
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
@@ -309,13 +339,14 @@ def target_generate(
     stop_ids: Sequence[int] = (),
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
+    params: RequestParams = PLAIN,
 ) -> list[int]:
     """Plain autoregressive decoding: the ground truth."""
     ids = list(prompt)
     out: list[int] = []
     while True:
         logits, _ = target(torch.tensor(ids))
-        tok = int(sample_tokens(logits[-1], temperature, generator))
+        tok = int(sample_tokens(params.adjust(logits[-1], out, stop_ids), temperature, generator))
         out.append(tok)
         ids.append(tok)
         out, done = truncate_at_stop(out, stop_ids, max_new_tokens)
@@ -360,14 +391,17 @@ def speculative_generate(
     stop_ids: Sequence[int] = (),
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
+    params: RequestParams = PLAIN,
 ) -> SpecResult:
     """DFlash decoding: draft a block in one pass, verify it in one target pass, keep the match.
 
     The target is recomputed over the whole sequence each step (no KV cache), which is slow but
     leaves no cache bookkeeping to get wrong: it is the definition the servers must match.
+    Verify position k takes ``params`` as plain decoding would there: after the committed output
+    and the block's candidates 1..k.
     """
     logits, hidden = target(torch.tensor(list(prompt)))
-    out = [int(sample_tokens(logits[-1], temperature, generator))]
+    out = [int(sample_tokens(params.adjust(logits[-1], [], stop_ids), temperature, generator))]
     features = tapped_features(hidden, layer_ids)  # rows = committed positions
     result = SpecResult(out)
     out, done = truncate_at_stop(out, stop_ids, max_new_tokens)
@@ -379,7 +413,10 @@ def speculative_generate(
         candidates[1:] = propose(features[:start], block, start)
         seq = torch.tensor(list(prompt) + out[:-1] + candidates.tolist())
         logits, hidden = target(seq)
-        verified = sample_tokens(logits[start:], temperature, generator)
+        drafted = candidates.tolist()
+        adjusted = torch.stack([params.adjust(logits[start + k], out + drafted[1 : k + 1], stop_ids)
+                                for k in range(block_size)])
+        verified = sample_tokens(adjusted, temperature, generator)
         acc = accept_block(candidates[None], verified[None])
         n = int(acc.commit_len[0])
         result.accept_lengths.append(n)

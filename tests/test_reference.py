@@ -13,6 +13,7 @@ from sglang_dflash.reference import (
     TinyTargetConfig,
     accept_block,
     draft_attention_mask,
+    RequestParams,
     draft_proposer,
     speculative_generate,
     tapped_features,
@@ -90,6 +91,62 @@ def test_stop_tokens_and_max_tokens_mid_block(target, block_size):
         mid_block_stops += committed > len(truth)
     if block_size > 2:
         assert mid_block_stops > 0
+
+
+PARAMS = {
+    "repetition_penalty": RequestParams(repetition_penalty=1.6),
+    "frequency_penalty": RequestParams(frequency_penalty=0.9),
+    "presence_penalty": RequestParams(presence_penalty=2.0),
+    "min_new_tokens": RequestParams(min_new_tokens=12),
+    "logit_bias": RequestParams(logit_bias={5: 6.0, 7: -50.0}),
+    "all_together": RequestParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.5,
+                                  min_new_tokens=6, logit_bias={9: 3.0}),
+}
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("name", list(PARAMS))
+@torch.no_grad()
+def test_every_sampling_parameter_acts_per_verify_position(target, name, block_size):
+    """Greedy with penalties, min_new_tokens and logit bias: verify position k sees the state after
+    the block's tokens before it, so the loop gives plain decoding's tokens, while the drafts are
+    accepted several at a time (the parameters change the output, so the test decides)."""
+    params, changed, multi = PARAMS[name], 0, 0
+    for i, prompt in enumerate(prompts(4, seed=216)):  # prompts whose outputs repeat tokens before the stop
+        plain = target_generate(target, prompt, 40)
+        stop = plain[len(plain) // 3]
+        truth = target_generate(target, prompt, 40, stop_ids=[stop], params=params)
+        changed += truth != target_generate(target, prompt, 40, stop_ids=[stop])
+        propose = oracle_proposer(target, prompt, truth, error_rate=0.15, seed=i)
+        got = speculative_generate(target, propose, prompt, 40, block_size, MASK_ID, LAYER_IDS, stop_ids=[stop],
+                                   params=params)
+        assert got.tokens == truth, (name, block_size, i)
+        multi += any(n > 2 for n in got.accept_lengths)
+    assert changed > 0 and multi > 0, (changed, multi)
+
+
+@torch.no_grad()
+def test_sampling_with_penalties_is_exact():
+    """With temperature and penalties, the loop's first two tokens follow plain decoding's law."""
+    target = TinyTarget(TinyTargetConfig(vocab_size=6, hidden_size=32, num_layers=5, logit_scale=2.0), seed=3)
+    params = RequestParams(repetition_penalty=2.0, presence_penalty=0.7, logit_bias={4: 1.0})
+    prompt = [1, 2, 3]
+    logits, _ = target(torch.tensor(prompt))
+    p1 = torch.softmax(params.adjust(logits[-1], [], ()).double(), -1)
+    exact = torch.zeros(6, 6, dtype=torch.float64)
+    for a in range(6):
+        l2, _ = target(torch.tensor(prompt + [a]))
+        exact[a] = p1[a] * torch.softmax(params.adjust(l2[-1], [a], ()).double(), -1)
+    g = torch.Generator().manual_seed(1)
+    n = 3000
+    counts = torch.zeros(6, 6, dtype=torch.float64)
+    for i in range(n):
+        drafts = lambda feats, block, start, tok=i % 6: torch.full((block.shape[0] - 1,), tok)  # noqa: E731
+        out = speculative_generate(target, drafts, prompt, 2, 4, 5, (1, 2), temperature=1.0, generator=g,
+                                   params=params)
+        counts[out.tokens[0], out.tokens[1]] += 1
+    tv = 0.5 * (counts / n - exact).abs().sum()
+    assert tv < 0.06, tv
 
 
 def test_accept_block_rule():
