@@ -55,11 +55,21 @@ BUILTIN_ONLY_DRAFTS = {
     "DFlashLagunaForCausalLM": "0.5.17",
     "MuseGlimmerAssistantModel": "0.5.18",
     "DFlash2DraftModel": "0.5.19",
-    "DominoDraftModel": "0.5.20",
-    "LiLiCorrDraftModel": "0.5.22",
+    "LiLiCorrDraftModel": "0.5.21",
     "DFlash2BeamDraftModel": "0.5.23",
     "MiniMaxDFlash2DraftModel": "0.5.23",
 }
+# DFlashDraftModel checkpoints whose config asks for a variant only the built-in implements:
+# what it is, the first release that has it, and how the config (top level, dflash_config) says so.
+BUILTIN_ONLY_VARIANTS = (
+    ("grouped convolution (dflash_config.conv_kernel_size)", "0.5.19",
+     lambda top, dflash: bool(dflash.get("conv_kernel_size"))),
+    ("the Domino projector (projector_type)", "0.5.20",
+     lambda top, dflash: (dflash.get("projector_type") or top.get("projector_type")) == "domino"),
+    ("attention sinks or value scaling (dflash_config.attention_sink_bias, attention_value_scale)", "0.5.20",
+     lambda top, dflash: bool(dflash.get("attention_sink_bias")) or dflash.get("attention_value_scale") is not None),
+    ("Gemma norms (use_gemma_norm)", "0.5.23", lambda top, dflash: bool(top.get("use_gemma_norm"))),
+)
 PLUGIN_DRAFT = "DFlashDraftModel"
 HOOK_TARGETS = {
     "create_worker": "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker",
@@ -179,6 +189,15 @@ class SGLangRelease:
 
     def builtin_only_drafts(self) -> tuple[str, ...]:
         return tuple(a for a, since in BUILTIN_ONLY_DRAFTS.items() if self.key >= version_key(since))
+
+    def builtin_only_variant(self, config: dict) -> Optional[str]:
+        """The built-in-only variant a draft config asks for on this release, if any."""
+        dflash = config.get("dflash_config") or {}
+        dflash = dflash if isinstance(dflash, dict) else {}
+        for what, since, asks in BUILTIN_ONLY_VARIANTS:
+            if self.key >= version_key(since) and asks(config, dflash):
+                return what
+        return None
 
     # ---- the contract --------------------------------------------------------------------
 

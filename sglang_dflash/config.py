@@ -440,28 +440,32 @@ def check_draft_folder(path: str, revision: Optional[str] = None) -> str:
     return folder
 
 
-def draft_architecture(path: str, revision: Optional[str] = None) -> Optional[str]:
-    """``architectures[0]`` of the draft's config, or None where the folder cannot tell yet."""
+def read_draft_config(path: str, revision: Optional[str] = None) -> Optional[dict]:
+    """The draft's ``config.json`` as a dict, or None where the folder cannot tell yet."""
     try:
         folder = local_checkpoint(path, "--speculative-draft-model-path", revision)
         with open(os.path.join(os.path.expanduser(folder), "config.json")) as f:
-            archs = json.load(f).get("architectures") or [None]
-        return archs[0]
-    except (OSError, ValueError, AttributeError, DFlashConfigError):
+            raw = json.load(f)
+        return raw if isinstance(raw, dict) else None
+    except (OSError, ValueError, DFlashConfigError):
         return None
 
 
 def builtin_serves(server_args, release) -> Optional[str]:
     """Why SGLang's built-in DFLASH, not the plugin, serves this server; None if the plugin does.
 
-    The plugin never takes away what the built-in serves: a draft architecture it does not
-    implement, or DP attention on releases whose built-in has it.
+    The plugin never takes away what the built-in serves: a draft architecture or variant it does
+    not implement, or DP attention on releases whose built-in has it.
     """
     view = release.resolving(server_args)
     path = getattr(view, "speculative_draft_model_path", None)
-    arch = draft_architecture(path, getattr(view, "speculative_draft_model_revision", None)) if path else None
+    raw = (read_draft_config(path, getattr(view, "speculative_draft_model_revision", None)) if path else None) or {}
+    arch = (raw.get("architectures") or [None])[0]
     if arch in release.builtin_only_drafts():
         return f"the draft's architecture {arch} is implemented by the built-in only"
+    variant = release.builtin_only_variant(raw)
+    if variant is not None:
+        return f"the draft uses {variant}, implemented by the built-in only"
     if release.has("builtin_dp_attention") and release.dp_attention(view):
         return "DP attention is served by the built-in only"
     return None

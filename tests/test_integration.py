@@ -15,9 +15,10 @@ from importlib.metadata import entry_points
 from types import SimpleNamespace
 
 import pytest
-from conftest import write_checkpoint, write_target
+from conftest import draft_config_dict, write_checkpoint, write_target
 
 from sglang_dflash import compat, integration
+from sglang_dflash.config import builtin_serves
 
 RELEASE = compat.running()
 
@@ -371,6 +372,24 @@ def test_a_draft_only_the_builtin_implements_goes_to_the_builtin(tmp_path, caplo
     else:
         with pytest.raises(SystemExit, match="architectures: expected"):
             integration.handle_dflash_args_hook(seen.append, args)
+
+
+@pytest.mark.parametrize("variant, since", [
+    ({"dflash_config": {"conv_kernel_size": 4, "conv_group_size": 8}}, "0.5.19"),
+    ({"dflash_config": {"projector_type": "domino"}}, "0.5.20"),
+    ({"use_gemma_norm": True}, "0.5.23"),
+])
+def test_a_draft_variant_only_the_builtin_implements_goes_to_the_builtin(tmp_path, variant, since):
+    """Same architecture name, a config asking for what only the built-in has (where it has it)."""
+    cfg = draft_config_dict()
+    for key, value in variant.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    for version in compat.SUPPORTED:
+        has_it = compat.version_key(version) >= compat.version_key(since)
+        assert (compat.SGLangRelease(version).builtin_only_variant(cfg) is not None) == has_it, version
+    args = server_args(tmp_path, speculative_draft_model_path=write_checkpoint(str(tmp_path / "v"), config=cfg))
+    reason = builtin_serves(args, RELEASE)  # through the checkpoint on disk, on the installed release
+    assert (reason or "").startswith("the draft uses ") == (RELEASE.key >= compat.version_key(since)), reason
 
 
 class _Dflash:
