@@ -352,13 +352,9 @@ class _SourceTree:
     def _lookup(self, tree: ast.Module, module: str, name: str, depth: int):
         """A top-level name: defined here, else imported (``from x import name`` or ``*``)."""
         nodes = [node for stmt in tree.body for node in _flatten(stmt)]
-        for node in nodes:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                return node
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-                return node
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
-                return node
+        found = next((node for node in nodes if _binds(node, name)), None)
+        if found is not None:
+            return found
         star_sources = []
         for node in nodes:
             if isinstance(node, ast.ImportFrom):
@@ -378,14 +374,9 @@ class _SourceTree:
 
     def _member(self, cls: ast.ClassDef, module: str, name: str, depth: int):
         """A method, class attribute, dataclass field or ``self.name = ...`` of a class or its bases."""
-        for node in cls.body:
-            for inner in _flatten(node):
-                if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and inner.name == name:
-                    return inner
-                if isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name) and inner.target.id == name:
-                    return inner
-                if isinstance(inner, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in inner.targets):
-                    return inner
+        found = next((inner for node in cls.body for inner in _flatten(node) if _binds(inner, name)), None)
+        if found is not None:
+            return found
         for fn in ast.walk(cls):
             if isinstance(fn, (ast.Assign, ast.AnnAssign)):
                 targets = fn.targets if isinstance(fn, ast.Assign) else [fn.target]
@@ -411,6 +402,15 @@ class _SourceTree:
                 if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == base_name for a in node.names):
                     return self._member(cls, _absolute(module, node, self.root), name, depth)
         return self._member(cls, module, name, depth)
+
+
+def _binds(node, name: str) -> bool:
+    """``node`` defines ``name`` in its scope: a def, a class, or an (annotated) assignment."""
+    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        return node.name == name
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    return isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name
 
 
 def _flatten(stmt):
