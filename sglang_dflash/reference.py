@@ -264,7 +264,7 @@ def tapped_features(hidden: Sequence[torch.Tensor], layer_ids: Sequence[int]) ->
 class Acceptance:
     accept_len: torch.Tensor  # [bs] drafted tokens accepted (bonus excluded)
     bonus: torch.Tensor  # [bs] target token at index accept_len
-    out_tokens: torch.Tensor  # [bs, B] accepted drafts, then the bonus; tail unspecified
+    out_tokens: torch.Tensor  # [bs, B] accepted drafts, then the bonus; then the target's other choices
     commit_len: torch.Tensor  # [bs] accept_len + 1
 
 
@@ -281,10 +281,8 @@ def accept_block(candidates: torch.Tensor, target_tokens: torch.Tensor) -> Accep
     match = (candidates[:, 1:] == target_tokens[:, :-1]).to(torch.int64)
     accept_len = match.cumprod(dim=1).sum(dim=1)
     bonus = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
-    out = torch.zeros_like(candidates)
-    out[:, : B - 1] = candidates[:, 1:]
-    out.scatter_(1, accept_len[:, None], bonus[:, None])
-    return Acceptance(accept_len, bonus, out, accept_len + 1)
+    # Accepted drafts equal the target's choices: the committed tokens are target_tokens[:, :n].
+    return Acceptance(accept_len, bonus, target_tokens.clone(), accept_len + 1)
 
 
 def truncate_at_stop(tokens: list[int], stop_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], bool]:

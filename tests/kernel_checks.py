@@ -28,9 +28,12 @@ def check_block_kernels(device: str) -> None:
         assert accept_len.tolist() == ref.accept_len.tolist()
         assert bonus.tolist() == ref.bonus.tolist()
         assert (new_lens == pre + ref.commit_len).all()
+        # Every position holds a valid token (logprobs are gathered at all of them); the first
+        # commit_len are the accepted drafts, then the bonus.
+        assert out_tokens.tolist() == ref.out_tokens.tolist()
         for r in range(bs):
             n = int(ref.commit_len[r])
-            assert out_tokens[r, :n].tolist() == ref.out_tokens[r, :n].tolist()
+            assert out_tokens[r, :n].tolist() == cand[r, 1:n].tolist() + [int(ref.bonus[r])]
 
         req_to_token = torch.arange(20 * 400).view(20, 400)
         slots = torch.randperm(20, generator=g)[:bs]

@@ -73,8 +73,9 @@ def _accept_block_kernel(
     # First mismatch index = number of accepted drafts (always < BLOCK thanks to the pad).
     accept = tl.min(tl.where(miss, offs, BLOCK_P2), axis=0)
     bonus = tl.load(target_ptr + r * BLOCK + accept)
-    out = tl.where(offs == accept, bonus, draft)
-    tl.store(out_tokens_ptr + r * BLOCK + offs, out, mask=offs < BLOCK)
+    # Accepted drafts equal the target's choices, so the committed tokens are the target's; the
+    # tail holds its choices too: valid ids, since logprobs are gathered at every position.
+    tl.store(out_tokens_ptr + r * BLOCK + offs, want, mask=offs < BLOCK)
     tl.store(accept_len_ptr + r, accept)
     tl.store(commit_len_ptr + r, accept + 1)
     tl.store(bonus_ptr + r, bonus)
