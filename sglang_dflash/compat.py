@@ -9,9 +9,11 @@ family   releases         what the plugin sees change
 =======  ===============  =====================================================================
 F2       0.5.17           the base: ``Req.update_finish_state`` checks the budget before stops;
                           SGLang refuses ``return_logprob`` for DFLASH itself
-F3       0.5.18           stops are checked before the budget; logprob requests reach the worker
+F3       0.5.18           stops are checked before the budget; logprob requests reach the worker,
+                          which fills them with ``compute_spec_logprobs``
 F4       0.5.19-0.5.20    server args resolve through declarations (0.5.20 raises on a raw
-                          write); ``nxt_kv_lens_cpu``; the mamba checkpoint grid
+                          write); ``nxt_kv_lens_cpu``; the mamba checkpoint grid; the model's
+                          EOS ids join the tokens ``min_new_tokens`` holds back
 F5       0.5.21-0.5.23    the worker is built without ``ps``; a KV-location plan on every
                           ``ForwardBatch`` and ``--attn-dp-size`` (0.5.22); DP attention in the
                           built-in DFLASH (0.5.23)
@@ -41,10 +43,11 @@ FAMILIES = {
 # Each change, and the first release that has it.
 CHANGES = {
     "stops_before_budget": "0.5.18",  # Req.update_finish_state checks stops first (our fix, upstream)
-    "logprobs_reach_worker": "0.5.18",  # validate_dflash_request no longer refuses return_logprob
+    "logprobs_reach_worker": "0.5.18",  # validate_dflash_request passes return_logprob; compute_spec_logprobs
     "declared_resolution": "0.5.19",  # resolving_view/declare_resolution; worker reads get_spec()
     "nxt_kv_lens": "0.5.19",  # DFlashDraftInputV2.reserved_seq_lens_cpu -> nxt_kv_lens_cpu
     "mamba_track_grid": "0.5.19",  # checkpoints on lcm(page grid, interval)
+    "min_new_tokens_model_eos": "0.5.19",  # Req.eos_token_ids are held back by min_new_tokens too
     "worker_without_ps": "0.5.21",  # worker ctor and build_draft_tp_worker lose `ps`
     "kv_loc_plan": "0.5.22",  # every ForwardBatch carries a bound KVLocPlan
     "attn_dp_size": "0.5.22",  # DP attention is --attn-dp-size; enable_dp_attention an alias
@@ -76,7 +79,6 @@ HOOK_TARGETS = {
     "handle_dflash_args": "sglang.srt.arg_groups.speculative_hook._handle_dflash",
     "resolve_algorithm": "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias",
     "stop_before_length": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
-    "refuse_logprobs": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 
@@ -185,6 +187,27 @@ class SGLangRelease:
         if self.has("kv_loc_plan"):
             draft_model_runner.kv_index_translator.bind_own_plan(forward_batch)
 
+    # ---- request parameters --------------------------------------------------------------
+
+    def min_new_tokens_stop_ids(self, req) -> set:
+        """The tokens SGLang's min_new_tokens penalizer holds back on this release."""
+        ids = set(req.sampling_params.stop_token_ids or ())
+        tokenizer = getattr(req, "tokenizer", None)
+        if tokenizer is not None:
+            ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+            if tokenizer.eos_token_id is not None:
+                ids.add(tokenizer.eos_token_id)
+        if self.has("min_new_tokens_model_eos"):
+            ids |= set(req.eos_token_ids or ())
+        return ids
+
+    def fill_logprobs(self, batch, logits_output, tokens, block_size: int) -> None:
+        """Logprobs of the committed tokens (0.5.18+; on 0.5.17 SGLang refuses such requests)."""
+        if self.has("logprobs_reach_worker"):
+            from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+            compute_spec_logprobs(batch, logits_output, tokens.reshape(-1), chain_stride=block_size)
+
     # ---- what the built-in keeps ---------------------------------------------------------
 
     def builtin_only_drafts(self) -> tuple[str, ...]:
@@ -206,8 +229,6 @@ class SGLangRelease:
         targets = {name: HOOK_TARGETS[name] for name in ("create_worker", "handle_dflash_args", "resolve_algorithm")}
         if not self.has("stops_before_budget"):
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
-        if self.has("logprobs_reach_worker"):
-            targets["refuse_logprobs"] = HOOK_TARGETS["refuse_logprobs"]
         return targets
 
     def symbols(self) -> list[Symbol]:
@@ -241,7 +262,12 @@ class SGLangRelease:
             Symbol("sglang.srt.configs.hybrid_arch", "mambaish_config"),
             Symbol("sglang.srt.distributed", "get_tp_group"),
             Symbol("sglang.srt.distributed", "tensor_model_parallel_all_gather"),
-            Symbol("sglang.srt.layers.sampler", "top_k_top_p_min_p_sampling_from_probs_torch"),
+            Symbol("sglang.srt.layers.sampler", "top_k_top_p_min_p_sampling_from_probs_torch",
+                   ("need_min_p_sampling", "sampling_seed", "positions")),
+            Symbol("sglang.srt.layers.sampler", "sampling_from_probs_torch", ("probs", "sampling_seed", "positions")),
+            Symbol("sglang.srt.sampling.sampling_batch_info", "SamplingBatchInfo.sampling_seed"),
+            Symbol("sglang.srt.sampling.sampling_batch_info", "SamplingBatchInfo.logit_bias"),
+            Symbol("sglang.srt.sampling.sampling_params", "SamplingParams.min_new_tokens"),
             Symbol("sglang.srt.layers.sampler", "apply_custom_logit_processor", ("num_tokens_in_batch",)),
             *(Symbol("sglang.srt.managers.utils", "GenerationBatchResult." + f) for f in (
                 "logits_output", "next_token_ids", "accept_lens", "can_run_cuda_graph", "next_draft_input",
@@ -281,6 +307,11 @@ class SGLangRelease:
             ]
         if self.has("mamba_track_grid"):
             syms.append(Symbol("sglang.srt.runtime_context", "mamba_track_grid", ("tree_page",)))
+        if self.has("logprobs_reach_worker"):
+            syms.append(Symbol("sglang.srt.layers.logprob_processor", "compute_spec_logprobs",
+                               ("batch", "logits_output", "predict", "chain_stride")))
+        if self.has("min_new_tokens_model_eos"):
+            syms.append(Symbol("sglang.srt.managers.schedule_batch", "Req.eos_token_ids"))
         if self.has("kv_loc_plan"):
             syms.append(Symbol("sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator.bind_own_plan",
                                ("forward_batch",)))

@@ -15,8 +15,6 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
   config through transformers, so a bad draft is named here in one line, not in a traceback.
 * ``Req.update_finish_state`` (0.5.17 only): SGLang checks ``max_new_tokens`` before stop tokens
   and strings, so a stop inside a multi-token verify step that also reaches the budget was lost.
-* ``dflash_utils.validate_dflash_request`` (0.5.18+): SGLang lets logprob requests through to the
-  worker, which does not compute logprobs yet; they are refused with a message instead.
 
 A draft architecture only the built-in implements, DP attention where the built-in serves it,
 ``SGLANG_DFLASH_IMPL=builtin``, an SGLang release outside the supported range, or one that lacks
@@ -39,7 +37,6 @@ GEMMA_RMSNORM_CUDA = "sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda"  # 
 QKNORM_CHECK = "sglang.srt.models.utils.can_use_fused_inplace_qknorm"
 HANDLE_DFLASH_ARGS = compat.HOOK_TARGETS["handle_dflash_args"]
 UPDATE_FINISH_STATE = compat.HOOK_TARGETS["stop_before_length"]
-VALIDATE_REQUEST = compat.HOOK_TARGETS["refuse_logprobs"]
 
 # Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
 # so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
@@ -84,7 +81,6 @@ def register() -> None:
         "handle_dflash_args": handle_dflash_args_hook,
         "resolve_algorithm": draft_path_hook,
         "stop_before_length": stop_before_length_hook,
-        "refuse_logprobs": refuse_logprobs_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
@@ -198,12 +194,3 @@ def handle_dflash_args_hook(original, server_args):
         release.version, release.resolving(server_args).speculative_num_draft_tokens,
         view.speculative_draft_model_path, list(cfg.target_layer_ids),
     )
-
-
-def refuse_logprobs_hook(original, req, *args, **kwargs):
-    """The plugin's worker computes no logprobs yet: refuse such requests rather than answer
-    them without. Other servers (and the built-in DFLASH) keep SGLang's own check."""
-    if _serving and getattr(req, "return_logprob", False):
-        return ("sglang-dflash does not serve return_logprob yet; "
-                f"start the server with {IMPL_ENV}=builtin for logprobs with DFLASH")
-    return original(req, *args, **kwargs)

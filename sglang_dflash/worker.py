@@ -8,8 +8,11 @@ and one pending token (the previous step's bonus):
    target's lm_head.
 2. :meth:`DFlashWorker.verify_step`: the target runs the B candidates causally (TARGET_VERIFY),
    returning logits and the tapped hidden states for every candidate.
-3. :meth:`DFlashWorker.accept_step`: longest prefix where draft == target choice, plus the
-   target's bonus token (greedy argmax, or a target sample for temperature > 0).
+3. :meth:`DFlashWorker.accept_step`: each position's logits take the request's parameters as
+   plain decoding would at that token (penalties after the block's tokens before it, logit
+   bias, custom processors; ``sampling.py``); then the longest prefix where draft == target
+   choice, plus the target's bonus token (greedy argmax, or a target sample for temperature > 0).
+   Logprobs of the committed tokens come from the same logits.
 4. :meth:`DFlashWorker.commit_context`: draft K/V for the ``accept + 1`` committed positions,
    from the verify's hidden states. Rejected rows are never written.
 
@@ -38,7 +41,7 @@ import torch
 
 from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_gather
-from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+from sglang.srt.layers.sampler import sampling_from_probs_torch, top_k_top_p_min_p_sampling_from_probs_torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.cuda_graph_config import Backend
@@ -54,6 +57,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from . import compat
 from .config import DFlashConfigError, TargetInfo
 from .ops import accept_block, prepare_block
+from .sampling import OutputCounts
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -203,6 +207,7 @@ class DFlashWorker(BaseSpecWorker):
         self.draft_head: Optional[GreedyDraftHead] = None  # set with the CUDA graphs
         self.window: Optional[DraftWindow] = None  # set with the memory pools
         self.buffers = StepBuffers(self.block_size, self.device)
+        self.output_counts = OutputCounts(target_config.vocab_size, self.device, self.release.min_new_tokens_stop_ids)
         self.head_in_graph = False
         if get_parallel().tp_rank == 0:
             logger.info(
@@ -276,8 +281,6 @@ class DFlashWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
                                  ) -> GenerationBatchResult:
         # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
-        # return_logprob requests never get here: SGLang 0.5.17 refuses them, the plugin's request
-        # check on later releases.
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
@@ -297,7 +300,12 @@ class DFlashWorker(BaseSpecWorker):
             )
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
-        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs)
+        penalty_rows = self.output_counts.batch_rows(batch.reqs)
+        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows)
+        if penalty_rows is not None:
+            self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
+        if batch.return_logprob:
+            self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, self.block_size)
         if self.hybrid:
             self.commit_recurrent_state(batch, accepted)
         if on_publish is not None:
@@ -316,6 +324,7 @@ class DFlashWorker(BaseSpecWorker):
 
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
+        self.output_counts.start(batch.reqs)
         result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
@@ -403,16 +412,17 @@ class DFlashWorker(BaseSpecWorker):
         )
         return out.logits_output, out.can_run_cuda_graph
 
-    def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict) -> Accepted:
+    def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
+                    penalty_rows: Optional[torch.Tensor] = None) -> Accepted:
         """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft)."""
         bs, B = block.candidates.shape
         info = batch.sampling_info
         if info is not None:
-            self._apply_logit_adjustments(logits, info, bs)
+            self.apply_request_params(logits.view(bs, B, -1), block.candidates, info, penalty_rows)
         if info is None or info.is_all_greedy:
             target_tokens = logits.argmax(dim=-1)
         else:
-            target_tokens = sample_per_position(logits, info, B)
+            target_tokens = sample_per_position(logits, info, block.positions, B)
         target_tokens = target_tokens.view(bs, B).to(torch.int64)
         acc = Accepted(**{k: bufs[k] for k in ("accept_len", "commit_len", "bonus", "out_tokens", "new_seq_lens")})
         accept_block(
@@ -420,6 +430,21 @@ class DFlashWorker(BaseSpecWorker):
             acc.accept_len, acc.commit_len, acc.bonus, acc.out_tokens, acc.new_seq_lens,
         )
         return acc
+
+    def apply_request_params(self, logits: torch.Tensor, candidates: torch.Tensor, info,
+                             penalty_rows: Optional[torch.Tensor]) -> None:
+        """``logits [bs, B, V]`` in plain decoding's order: penalties (per position, from the
+        plugin's own counts; SGLang's penalizers never advance under DFLASH), logit bias, then
+        custom logit processors. The grammar mask is applied before; it commutes with these."""
+        if penalty_rows is not None:
+            self.output_counts.penalize(logits, candidates, penalty_rows)
+        if info.logit_bias is not None:
+            logits.add_(info.logit_bias[:, None, :])
+        if info.has_custom_logit_processor:
+            from sglang.srt.layers.sampler import apply_custom_logit_processor
+
+            flat = logits.view(-1, logits.shape[-1])
+            apply_custom_logit_processor(flat, info, num_tokens_in_batch=logits.shape[1])
 
     def commit_recurrent_state(self, batch, accepted: Accepted) -> None:
         """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
@@ -435,29 +460,6 @@ class DFlashWorker(BaseSpecWorker):
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,
         )
-
-    @staticmethod
-    def _apply_logit_adjustments(logits: torch.Tensor, info, bs: int) -> None:
-        """Penalties, logit bias and custom processors with each request's state before the block,
-        applied at every block position (not yet advanced through the drafted tokens)."""
-        needs = (
-            info.logit_bias is not None
-            or info.acc_additive_penalties is not None
-            or info.acc_scaling_penalties is not None
-            or (info.penalizer_orchestrator is not None and info.penalizer_orchestrator.is_required)
-        )
-        if info.has_custom_logit_processor:
-            from sglang.srt.layers.sampler import apply_custom_logit_processor
-
-            apply_custom_logit_processor(logits, info, num_tokens_in_batch=logits.shape[0] // bs)
-        if needs:
-            # On the logits themselves, one position at a time: repetition penalties scale them, so
-            # a bias computed on zeros and added would lose them.
-            per_position = logits.view(bs, -1, logits.shape[-1])
-            for k in range(per_position.shape[1]):
-                row = per_position[:, k].contiguous()
-                info.apply_logits_bias(row)
-                per_position[:, k] = row
 
     def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor) -> None:
         """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""
@@ -501,11 +503,20 @@ def extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> 
     return (torch.arange(int(ext.sum())) - shift).to(device, non_blocking=True)
 
 
-def sample_per_position(logits: torch.Tensor, info, block_size: int) -> torch.Tensor:
-    """One target sample per verify position with each request's temperature/top-k/top-p/min-p."""
+def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One target sample per verify position, drawn as SGLang's sampler draws it for plain
+    decoding: temperature, then top-k/top-p/min-p, and with a per-request seed
+    (``--enable-deterministic-inference``) the same hash of (seed, position), so a seeded request
+    gets plain decoding's very tokens."""
     expand = lambda t: t.view(-1).repeat_interleave(block_size)  # noqa: E731
     probs = torch.softmax(logits.float() / expand(info.temperatures)[:, None], dim=-1)
-    return top_k_top_p_min_p_sampling_from_probs_torch(
-        probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),
-        info.need_min_p_sampling, None, None,
-    ).to(torch.int64)
+    seed = info.sampling_seed
+    seed = None if seed is None else expand(seed)
+    if not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling):
+        tokens = sampling_from_probs_torch(probs, sampling_seed=seed, positions=positions)
+    else:
+        tokens = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),
+            info.need_min_p_sampling, seed, positions,
+        )
+    return tokens.to(torch.int64)

@@ -112,3 +112,15 @@ def test_a_newer_familys_contract_fails_on_an_older_release(older, newer):
 def test_split_target():
     assert compat.split_target("a.b.Cls.meth") == ("a.b", "Cls.meth")
     assert compat.split_target("a.b._fn") == ("a.b", "_fn")
+
+
+@pytest.mark.parametrize("version, model_eos", [("0.5.17", False), ("0.5.18", False), ("0.5.19", True), ("0.5.23", True)])
+def test_min_new_tokens_holds_back_what_sglangs_penalizer_holds_back(version, model_eos):
+    """Request stop ids, the tokenizer's EOS and extra stops; from 0.5.19 the model's EOS ids too."""
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_token_ids={5}), eos_token_ids={9, 2},
+                          tokenizer=SimpleNamespace(eos_token_id=2, additional_stop_token_ids={7}))
+    assert compat.SGLangRelease(version).min_new_tokens_stop_ids(req) == ({2, 5, 7, 9} if model_eos else {2, 5, 7})
+    req.tokenizer, req.sampling_params.stop_token_ids = None, None  # skip_tokenizer_init
+    assert compat.SGLangRelease(version).min_new_tokens_stop_ids(req) == ({2, 9} if model_eos else set())

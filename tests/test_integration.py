@@ -151,9 +151,9 @@ def test_the_running_release_gets_all_its_hooks(monkeypatch):
     assert RELEASE.supported, f"CI runs supported releases only, found {RELEASE.version}"
     targets = registered_targets(monkeypatch, RELEASE)
     assert targets == list(RELEASE.hook_targets().values())
-    # The budget hook only where SGLang still checks the budget first; logprobs refused where they arrive.
+    # The budget hook only where SGLang still checks the budget first; logprob requests pass SGLang's check.
     assert (integration.UPDATE_FINISH_STATE in targets) == (RELEASE.version == "0.5.17")
-    assert (integration.VALIDATE_REQUEST in targets) == (RELEASE.version != "0.5.17")
+    assert not any(t.endswith("validate_dflash_request") for t in targets)
 
 
 @pytest.mark.parametrize("version", ["0.5.16", "0.5.24", "0.6.0"])
@@ -339,16 +339,6 @@ def test_draft_path_hook_refuses_bad_drafts_in_one_line_and_leaves_other_algorit
     assert integration.draft_path_hook(original, "DFLASH", good) == "DFLASH"
     assert integration.draft_path_hook(original, "EAGLE", str(tmp_path / "nope")) == "EAGLE"  # not ours
     assert calls == [("DFLASH", good), ("EAGLE", str(tmp_path / "nope"))]
-
-
-def test_logprob_requests_are_refused_only_by_a_plugin_dflash_server(monkeypatch):
-    sglang_check = lambda req, enable_overlap: None  # noqa: E731
-    req = SimpleNamespace(return_logprob=True, return_hidden_states=False)
-    message = integration.refuse_logprobs_hook(sglang_check, req, True)
-    assert message.startswith("sglang-dflash does not serve return_logprob") and "SGLANG_DFLASH_IMPL=builtin" in message
-    assert integration.refuse_logprobs_hook(sglang_check, SimpleNamespace(return_logprob=False), True) is None
-    monkeypatch.setattr(integration, "_serving", False)  # EAGLE, NGRAM, the built-in DFLASH: SGLang's own check
-    assert integration.refuse_logprobs_hook(sglang_check, req, True) is None
 
 
 def test_a_draft_only_the_builtin_implements_goes_to_the_builtin(tmp_path, caplog):

@@ -151,21 +151,89 @@ def test_draft_config_reads_sliding_window_from_the_checkpoint(tmp_path):
     assert cfg.sliding_window == 256 and cfg.layer_types[0] == "sliding_attention"
 
 
-def test_scaling_penalties_reach_every_block_position():
-    """A repetition penalty divides positive logits and multiplies negative ones (SGLang's
-    apply_scaling_penalties); it must act on the logits, not on a zero bias added to them."""
+def test_request_params_in_plain_decodings_order(monkeypatch):
+    """Penalties, then logit bias, then custom processors, as SGLang's sampler orders them: a
+    repetition penalty must not scale the bias, and a processor sees the biased logits."""
+    import sglang.srt.layers.sampler as sampler
+    from sglang_dflash.sampling import OutputCounts
     from sglang_dflash.worker import DFlashWorker
 
-    def apply_logits_bias(logits):
-        logits[:] = torch.where(logits < 0, logits * scale, logits / scale)
+    bs, B, V = 2, 3, 6
+    seen = []
+    monkeypatch.setattr(sampler, "apply_custom_logit_processor",
+                        lambda logits, info, num_tokens_in_batch: seen.append((logits.clone(), num_tokens_in_batch)))
+    worker = SimpleNamespace(output_counts=OutputCounts(V, "cpu", stop_ids=lambda req: ()))
+    req = SimpleNamespace(rid="a", output_ids=[4], finished=lambda: False, sampling_params=SimpleNamespace(
+        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=2.0, min_new_tokens=0))
+    plain = SimpleNamespace(rid="b", output_ids=[], finished=lambda: False, sampling_params=SimpleNamespace(
+        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0))
+    worker.output_counts.start([req, plain])
+    rows = worker.output_counts.batch_rows([req, plain])
+    bias = torch.zeros(bs, V)
+    bias[:, 4] = 2.0
+    info = SimpleNamespace(logit_bias=bias, has_custom_logit_processor=True)
+    logits = torch.full((bs, B, V), 4.0)
+    candidates = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    DFlashWorker.apply_request_params(worker, logits, candidates, info, rows)
+    assert logits[0, :, 4].tolist() == [4.0] * B  # 4 / 2 + 2, not (4 + 2) / 2
+    assert logits[1, :, 4].tolist() == [6.0] * B and logits[0, :, 0].tolist() == [4.0] * B
+    assert len(seen) == 1 and seen[0][1] == B and torch.equal(seen[0][0], logits.view(bs * B, V))
 
-    bs, block, vocab = 2, 4, 8
-    scale = torch.tensor([[2.0], [1.0]])
-    info = SimpleNamespace(logit_bias=None, acc_additive_penalties=None, acc_scaling_penalties=scale,
-                           penalizer_orchestrator=None, has_custom_logit_processor=False,
-                           apply_logits_bias=apply_logits_bias)
-    logits = torch.randn(bs * block, vocab)
-    expected = logits.view(bs, block, vocab).clone()
-    expected[0] = torch.where(expected[0] < 0, expected[0] * 2, expected[0] / 2)
-    DFlashWorker._apply_logit_adjustments(logits, info, bs)
-    torch.testing.assert_close(logits.view(bs, block, vocab), expected)
+
+@pytest.mark.parametrize("top_k", [False, True])
+def test_each_verify_position_samples_with_its_requests_seed_and_its_position(monkeypatch, top_k):
+    """Row k of request i is drawn with request i's seed at position seq_len + k, through the
+    same SGLang function plain decoding would use: so a seeded request gets plain decoding's
+    tokens. Without top-k/top-p/min-p SGLang draws from the probabilities directly."""
+    import sglang_dflash.worker as worker
+
+    calls = []
+    monkeypatch.setattr(worker, "sampling_from_probs_torch",
+                        lambda probs, sampling_seed, positions: calls.append(("simple", probs, sampling_seed, positions))
+                        or probs.argmax(-1))
+    monkeypatch.setattr(worker, "top_k_top_p_min_p_sampling_from_probs_torch",
+                        lambda probs, ks, ps, mps, need_min_p, seed, positions:
+                        calls.append(("top_k", probs, seed, positions, ks)) or probs.argmax(-1))
+    bs, B, V = 2, 4, 5
+    info = SimpleNamespace(temperatures=torch.tensor([[0.5], [2.0]]), sampling_seed=torch.tensor([11, 22]),
+                           need_top_p_sampling=False, need_top_k_sampling=top_k, need_min_p_sampling=False,
+                           top_ks=torch.tensor([3, 1]), top_ps=torch.ones(2), min_ps=torch.zeros(2))
+    logits = torch.randn(bs * B, V)
+    positions = torch.tensor([40, 41, 42, 43, 7, 8, 9, 10])
+    worker.sample_per_position(logits, info, positions, B)
+    (kind, probs, seed, pos, *rest), = calls
+    assert kind == ("top_k" if top_k else "simple")
+    assert seed.tolist() == [11] * B + [22] * B and pos is positions
+    temps = torch.tensor([0.5] * B + [2.0] * B)[:, None]
+    torch.testing.assert_close(probs, torch.softmax(logits / temps, -1))
+    if top_k:
+        assert rest[0].tolist() == [3] * B + [1] * B
+
+
+def test_logprobs_of_the_committed_tokens_come_from_their_own_verify_rows():
+    """From 0.5.18 the worker fills logprobs through SGLang's compute_spec_logprobs: token j of
+    request i scores in row i*B + j of the adjusted logits, top-k and chosen ids included. On
+    0.5.17 SGLang refuses logprob requests before they reach the worker."""
+    from sglang_dflash import compat
+
+    release = compat.running()
+    bs, B, V = 2, 4, 7
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(bs * B, V, generator=g)
+    tokens = torch.randint(0, V, (bs, B), generator=g)
+    batch = SimpleNamespace(seq_lens=torch.zeros(bs), return_logprob=True, top_logprobs_nums=[2, 0],
+                            token_ids_logprobs=[None, [1, 5]],
+                            sampling_info=SimpleNamespace(is_all_greedy=True, temperatures=torch.ones(bs, 1)))
+    out = SimpleNamespace(next_token_logits=logits)
+    release.fill_logprobs(batch, out, tokens, B)
+    if not release.has("logprobs_reach_worker"):
+        assert not hasattr(out, "next_token_logprobs")
+        return
+    logprobs = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.next_token_logprobs, logprobs.gather(1, tokens.view(-1, 1)).view(bs, B))
+    top_val, top_idx = out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx
+    best = logprobs[:B].topk(2)
+    assert [list(map(int, row)) for row in top_idx[:B]] == best.indices.tolist()
+    torch.testing.assert_close(torch.stack([torch.as_tensor(v) for v in top_val[:B]]), best.values)
+    ids_val = out.next_token_token_ids_logprobs_val
+    torch.testing.assert_close(torch.stack([torch.as_tensor(v) for v in ids_val[B:]]), logprobs[B:, [1, 5]])

@@ -1,0 +1,174 @@
+"""Request parameters at every verify position, as plain decoding applies them at that token.
+
+Plain decoding updates a request's penalties after each token. A verify step judges B tokens at
+once, so position k must see the output so far plus candidates 0..k of its block (candidate 0 is
+the last committed token). SGLang's penalizers cannot give that: they advance by one token per
+scheduler step, and under DFLASH nothing advances them at all. So the plugin keeps each
+request's output counts on the GPU itself (:class:`OutputCounts`), advances them with the tokens
+every step commits, and adjusts the whole block in one pass (:func:`penalize_block`).
+``reference.RequestParams.adjust`` is the specification; the tests compare them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+
+@dataclass
+class Penalties:
+    """Per-request parameters of one batch, rows aligned with the batch."""
+
+    frequency: torch.Tensor  # [bs] float32, subtracted once per occurrence
+    presence: torch.Tensor  # [bs] float32, subtracted once a token has occurred
+    repetition: torch.Tensor  # [bs] float32, scales the logits of occurred tokens
+    min_new_tokens: torch.Tensor  # [bs] int64
+    stop_mask: torch.Tensor  # [bs, V] bool: tokens banned while the output is shorter than min_new_tokens
+
+
+def _scale_seen(z: torch.Tensor, seen: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """SGLang's repetition penalty: negative logits multiplied, positive ones divided."""
+    scaled = torch.where(z < 0, z * repetition, z / repetition)
+    return torch.where(seen, scaled, z)
+
+
+@torch.no_grad()
+def penalize_block(
+    logits: torch.Tensor, candidates: torch.Tensor, counts: torch.Tensor, n_out: torch.Tensor, p: Penalties
+) -> None:
+    """Adjust ``logits [bs, B, V]`` in place: position k as plain decoding after ``counts`` (the
+    output before candidate 0, ``n_out`` tokens) and candidates 0..k.
+
+    The block changes the counts of at most B columns per request, so the whole tensor takes the
+    counts before the block, and only those columns are recomputed from the raw logits, per
+    position, with the counts that include the block's tokens before them.
+    """
+    bs, B, V = logits.shape
+    cols = candidates.to(torch.int64)[:, None, :].expand(bs, B, B)  # [i, k, m] = column of candidate m
+    raw = logits.gather(2, cols).float()
+
+    # Every column, with the state before the block.
+    seen = counts > 0
+    logits.sub_((p.frequency[:, None] * counts + p.presence[:, None] * seen)[:, None, :].to(logits.dtype))
+    out_len = n_out[:, None] + 1 + torch.arange(B, device=logits.device)  # output length at position k
+    banned = out_len < p.min_new_tokens[:, None]  # [bs, B]
+    logits.masked_fill_(banned[:, :, None] & p.stop_mask[:, None, :], float("-inf"))
+    rep = p.repetition[:, None, None].to(logits.dtype)
+    logits.copy_(_scale_seen(logits, seen[:, None, :], rep))
+
+    # The block's own columns: count of column m at position k = counts + occurrences in 0..k.
+    same = candidates[:, :, None] == candidates[:, None, :]  # [i, m, n]
+    upto = torch.ones(B, B, dtype=torch.bool, device=logits.device).tril()  # [k, n]: n <= k
+    in_block = (same[:, None, :, :] & upto[None, :, None, :]).sum(-1)  # [i, k, m]
+    c = counts.gather(1, candidates.to(torch.int64))[:, None, :] + in_block
+    z = raw - p.frequency[:, None, None] * c - p.presence[:, None, None] * (c > 0)
+    stop = p.stop_mask.gather(1, candidates.to(torch.int64))[:, None, :]
+    z = z.masked_fill(banned[:, :, None] & stop, float("-inf"))
+    z = _scale_seen(z, c > 0, p.repetition[:, None, None])
+    logits.scatter_(2, cols, z.to(logits.dtype))  # a repeated column gets the same value each time
+
+
+class OutputCounts:
+    """Each penalized request's output token counts on the GPU, advanced on the GPU.
+
+    A request gets a row at its prefill, from the output it already has (none, or what it had
+    before a retraction); the counts exclude the pending bonus token, which every block carries
+    as candidate 0. Each step adds the tokens it commits before the new bonus. Nothing waits for
+    the host, so the overlap scheduler's one-step lag on the host side does not matter. Row 0 is
+    neutral, for the requests of a batch that ask for no penalty.
+    """
+
+    def __init__(self, vocab_size: int, device, stop_ids: Callable[[object], Iterable[int]]):
+        self.vocab_size, self.device, self.stop_ids = vocab_size, device, stop_ids
+        self.rows: dict[str, tuple[int, object]] = {}  # rid -> (row, req)
+        self.capacity = 0
+
+    @staticmethod
+    def wants(req) -> bool:
+        sp = req.sampling_params
+        return (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0 or sp.repetition_penalty != 1.0
+                or sp.min_new_tokens > 0)
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        cap = max(8, 2 * self.capacity, needed)
+        old, V, dev = self.capacity, self.vocab_size, self.device
+        fresh = {
+            "counts": torch.zeros(cap, V, dtype=torch.float32, device=dev),
+            "n_out": torch.zeros(cap, dtype=torch.int64, device=dev),
+            "frequency": torch.zeros(cap, dtype=torch.float32, device=dev),
+            "presence": torch.zeros(cap, dtype=torch.float32, device=dev),
+            "repetition": torch.ones(cap, dtype=torch.float32, device=dev),
+            "min_new_tokens": torch.zeros(cap, dtype=torch.int64, device=dev),
+            "stop_mask": torch.zeros(cap, V, dtype=torch.bool, device=dev),
+        }
+        for name, t in fresh.items():
+            if old:
+                t[:old].copy_(getattr(self, name))
+            setattr(self, name, t)
+        self.capacity = cap
+
+    def _free_rows(self) -> list[int]:
+        used = {row for row, _ in self.rows.values()}
+        return [r for r in range(1, self.capacity) if r not in used]
+
+    def _release_finished(self, batch_rids: set) -> None:
+        for rid in [rid for rid, (_, req) in self.rows.items() if rid not in batch_rids and req.finished()]:
+            del self.rows[rid]
+
+    def start(self, reqs) -> None:
+        """At a prefill (each chunk; the last one counts): rows for the penalized requests."""
+        wanted = [req for req in reqs if self.wants(req)]
+        if not wanted:
+            return
+        self._release_finished({req.rid for req in reqs})
+        new = [req for req in wanted if req.rid not in self.rows]
+        free = self._free_rows()
+        if len(new) > len(free):
+            self._grow(1 + len(self.rows) + len(new))
+            free = self._free_rows()
+        for req, row in zip(new, free):
+            self.rows[req.rid] = (row, req)
+        for req in wanted:
+            self._fill(self.rows[req.rid][0], req)
+
+    def _fill(self, row: int, req) -> None:
+        sp, V = req.sampling_params, self.vocab_size
+        output = torch.tensor(list(req.output_ids), dtype=torch.int64)
+        self.counts[row] = torch.bincount(output, minlength=V)[:V].to(self.device, non_blocking=True)
+        self.n_out[row] = len(output)
+        self.frequency[row], self.presence[row] = sp.frequency_penalty, sp.presence_penalty
+        self.repetition[row], self.min_new_tokens[row] = sp.repetition_penalty, sp.min_new_tokens
+        stops = [t for t in self.stop_ids(req) if t is not None and 0 <= t < V]
+        self.stop_mask[row] = False
+        if stops:
+            self.stop_mask[row, stops] = True
+
+    def batch_rows(self, reqs) -> Optional[torch.Tensor]:
+        """Each request's row (0: no penalty), or None when no request of the batch has one."""
+        if not self.rows:
+            return None
+        found = [self.rows.get(req.rid, (0, None))[0] for req in reqs]
+        missing = [req for req, row in zip(reqs, found) if row == 0 and self.wants(req)]
+        if missing:  # never prefilled here (not expected): start from what the host knows
+            self.start(missing)
+            found = [self.rows.get(req.rid, (0, None))[0] for req in reqs]
+        if not any(found):
+            return None
+        return torch.tensor(found, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def penalize(self, logits: torch.Tensor, candidates: torch.Tensor, rows: torch.Tensor) -> None:
+        p = Penalties(self.frequency[rows], self.presence[rows], self.repetition[rows],
+                      self.min_new_tokens[rows], self.stop_mask[rows])
+        penalize_block(logits, candidates, self.counts[rows], self.n_out[rows], p)
+
+    def commit(self, rows: torch.Tensor, candidates: torch.Tensor, commit_len: torch.Tensor) -> None:
+        """Add candidates 0..commit_len-1 (the old bonus and the accepted drafts) to the counts."""
+        bs, B = candidates.shape
+        keep = (torch.arange(B, device=candidates.device)[None, :] < commit_len[:, None]) & (rows[:, None] > 0)
+        flat = rows[:, None] * self.vocab_size + candidates.to(torch.int64)
+        self.counts.view(-1).index_add_(0, flat.view(-1), keep.view(-1).to(torch.float32))
+        self.n_out.index_add_(0, rows, torch.where(rows > 0, commit_len.to(torch.int64), 0))

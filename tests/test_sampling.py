@@ -1,0 +1,189 @@
+"""Request parameters per verify position on the server path (``sampling.py`` and the worker's
+accept step), against ``reference.RequestParams``, which plain decoding follows token by token."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_dflash.reference import RequestParams, TinyTarget, TinyTargetConfig, accept_block, target_generate
+from sglang_dflash.sampling import OutputCounts, Penalties, penalize_block
+
+torch.set_default_dtype(torch.float32)
+V = 12
+
+
+def fake_req(rid, output_ids=(), stops=(), finished=False, **params):
+    sp = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0)
+    sp.update(params)
+    return SimpleNamespace(rid=rid, output_ids=list(output_ids), sampling_params=SimpleNamespace(**sp),
+                           stop_ids=set(stops), finished=lambda: finished)
+
+
+def request_params(req) -> RequestParams:
+    sp = req.sampling_params
+    return RequestParams(sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty, sp.min_new_tokens)
+
+
+def random_requests(rng, n):
+    reqs = []
+    for i in range(n):
+        kind = rng.choice(["none", "rep", "freq", "pres", "min_new", "all"])
+        params = {
+            "none": {}, "rep": dict(repetition_penalty=1.7), "freq": dict(frequency_penalty=0.8),
+            "pres": dict(presence_penalty=1.5), "min_new": dict(min_new_tokens=rng.randrange(1, 12)),
+            "all": dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.6, min_new_tokens=5),
+        }[kind]
+        output = [rng.randrange(V) for _ in range(rng.randrange(0, 6))]
+        reqs.append(fake_req(f"r{i}", output, stops=rng.sample(range(V), 2), **params))
+    return reqs
+
+
+def test_every_position_gets_plain_decodings_logits():
+    """Position k of a block equals RequestParams.adjust after the prior output and candidates
+    0..k, for every parameter, with tokens repeated inside the block; a per-block state would not."""
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    bs, B = 24, 8
+    reqs = random_requests(rng, bs)
+    candidates = torch.randint(0, V, (bs, B), generator=g)  # V=12: repeats in most blocks
+    raw = torch.randn(bs, B, V, generator=g) * 3
+    counts = torch.stack([torch.bincount(torch.tensor(r.output_ids, dtype=torch.long), minlength=V).float()
+                          for r in reqs])
+    n_out = torch.tensor([len(r.output_ids) for r in reqs])
+    sp = [r.sampling_params for r in reqs]
+    stop_mask = torch.zeros(bs, V, dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        stop_mask[i, list(r.stop_ids)] = True
+    p = Penalties(torch.tensor([s.frequency_penalty for s in sp]), torch.tensor([s.presence_penalty for s in sp]),
+                  torch.tensor([s.repetition_penalty for s in sp]), torch.tensor([s.min_new_tokens for s in sp]),
+                  stop_mask)
+    got = raw.clone()
+    penalize_block(got, candidates, counts, n_out, p)
+    stale = 0
+    for i, r in enumerate(reqs):
+        params = request_params(r)
+        for k in range(B):
+            generated = r.output_ids + candidates[i, : k + 1].tolist()
+            want = params.adjust(raw[i, k], generated, sorted(r.stop_ids))
+            torch.testing.assert_close(got[i, k], want, msg=f"request {i} ({params}), position {k}")
+            block_start = params.adjust(raw[i, k], r.output_ids + candidates[i, :1].tolist(), sorted(r.stop_ids))
+            stale += not torch.equal(block_start, want)
+    assert stale > bs, stale  # most penalized positions differ from the state at the block's start
+
+
+def test_output_counts_follow_each_request_through_prefill_steps_and_reuse():
+    counts = OutputCounts(V, "cpu", stop_ids=lambda req: req.stop_ids)
+    plain = fake_req("plain")
+    counts.start([plain])
+    assert counts.batch_rows([plain]) is None  # nobody penalized: the worker's fast path
+
+    a = fake_req("a", output_ids=[3, 3, 5], frequency_penalty=0.5)  # resumed after a retraction
+    b = fake_req("b", min_new_tokens=4, stops=[7])
+    counts.start([a, plain, b])
+    rows = counts.batch_rows([a, plain, b])
+    assert rows[1] == 0 and rows[0] > 0 and rows[2] > 0 and rows[0] != rows[2]
+    assert counts.counts[rows[0]].tolist() == torch.bincount(torch.tensor([3, 3, 5]), minlength=V).float().tolist()
+    assert counts.n_out[rows[0]] == 3 and counts.stop_mask[rows[2], 7] and counts.min_new_tokens[rows[2]] == 4
+
+    # A step commits the old bonus and the accepted drafts: candidates 0..commit_len-1.
+    candidates = torch.tensor([[1, 2, 2, 9], [4, 4, 4, 4], [6, 0, 1, 2]])
+    counts.commit(rows, candidates, torch.tensor([3, 4, 1]))
+    committed = torch.tensor([3, 3, 5, 1, 2, 2])
+    assert counts.counts[rows[0]].tolist() == torch.bincount(committed, minlength=V).float().tolist()
+    assert counts.counts[rows[2]].tolist() == torch.bincount(torch.tensor([6]), minlength=V).float().tolist()
+    assert counts.n_out.tolist()[: 1] == [0] and counts.counts[0].sum() == 0  # the neutral row stays neutral
+    assert counts.n_out[rows[0]] == 6 and counts.n_out[rows[2]] == 1
+
+    # A finished request's row goes to the next newcomer once it has left the batch; rows grow.
+    a.finished = lambda: True
+    newcomers = [fake_req(f"n{i}", presence_penalty=1.0) for i in range(12)]
+    counts.start(newcomers)  # a prefill batch holds only prefilling requests (no mixed chunks with DFLASH)
+    rows_now = counts.batch_rows([b] + newcomers)
+    assert "a" not in counts.rows and int(rows[0]) in rows_now.tolist()
+    assert len(set(rows_now.tolist())) == 13 and counts.capacity >= 14
+    assert counts.counts[int(rows[0])].sum() == 0 and counts.n_out[rows_now[0]] == 1  # b kept its state
+
+
+def test_a_request_the_worker_never_prefilled_starts_from_its_host_output():
+    counts = OutputCounts(V, "cpu", stop_ids=lambda req: ())
+    counts.start([fake_req("x", presence_penalty=1.0)])
+    late = fake_req("late", output_ids=[2, 2], repetition_penalty=1.5)
+    rows = counts.batch_rows([late])
+    assert rows.tolist()[0] > 0 and counts.counts[rows[0], 2] == 2
+
+
+def run_server_like(target, prompts, params, proposer, block_size, max_new, stop_ids, join_at):
+    """The worker's steps on CPU: prefill (rows from the host output), then per step draft,
+    verify logits, penalize from the GPU-side counts, greedy accept, commit; request i joins the
+    batch at step join_at[i], so rows are shared, reused and batches change shape."""
+    counts = OutputCounts(target.cfg.vocab_size, "cpu", stop_ids=lambda req: stop_ids)
+    reqs = [SimpleNamespace(rid=f"q{i}", output_ids=[], sampling_params=SimpleNamespace(
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        repetition_penalty=p.repetition_penalty, min_new_tokens=p.min_new_tokens), done=False)
+        for i, p in enumerate(params)]
+    for r in reqs:
+        r.finished = lambda r=r: r.done
+    running, step = [], 0
+    while any(not r.done for r in reqs):
+        joining = [i for i, at in enumerate(join_at) if at == step]
+        if joining:
+            counts.start([reqs[i] for i in joining])
+            for i in joining:  # SGLang's prefill samples the first token with fresh penalizers
+                logits, _ = target(torch.tensor(prompts[i]))
+                reqs[i].output_ids.append(int(params[i].adjust(logits[-1], [], stop_ids).argmax()))
+                running.append(i)
+        live = [i for i in running if not reqs[i].done]
+        if live:
+            batch = [reqs[i] for i in live]
+            cands, logits = [], []
+            for i in live:
+                out = reqs[i].output_ids
+                cand = [out[-1]] + proposer(i, len(out), block_size - 1)
+                seq = torch.tensor(prompts[i] + out[:-1] + cand)
+                logits.append(target(seq)[0][-block_size:])
+                cands.append(cand)
+            cands, logits = torch.tensor(cands), torch.stack(logits)
+            rows = counts.batch_rows(batch)
+            if rows is not None:
+                counts.penalize(logits, cands, rows)
+            acc = accept_block(cands, logits.argmax(-1))
+            if rows is not None:
+                counts.commit(rows, cands, acc.commit_len)
+            for j, i in enumerate(live):
+                r = reqs[i]
+                r.output_ids += acc.out_tokens[j, : int(acc.commit_len[j])].tolist()
+                hit = next((n for n, t in enumerate(r.output_ids) if t in stop_ids), None)
+                if hit is not None or len(r.output_ids) >= max_new:
+                    r.output_ids = r.output_ids[: min(max_new, hit + 1 if hit is not None else max_new)]
+                    r.done = True
+        step += 1
+    return [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+@torch.no_grad()
+def test_server_path_gives_plain_decodings_tokens_with_every_penalty(block_size):
+    """Seven requests with different parameters, joining at different steps, decoded through
+    OutputCounts exactly as the worker drives it: each gets plain decoding's tokens (greedy,
+    float32), while several drafts are accepted per step."""
+    target = TinyTarget(TinyTargetConfig(vocab_size=64, logit_scale=8.0), seed=0).eval()
+    rng = random.Random(216)
+    prompts = [[rng.randrange(60) for _ in range(rng.randrange(3, 10))] for _ in range(7)]
+    params = [RequestParams(), RequestParams(repetition_penalty=1.6), RequestParams(frequency_penalty=0.9),
+              RequestParams(presence_penalty=2.0), RequestParams(min_new_tokens=20),
+              RequestParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.5, min_new_tokens=6),
+              RequestParams(frequency_penalty=0.3)]
+    stop_ids, max_new = [7], 32
+    truth = [target_generate(target, p, max_new, stop_ids=stop_ids, params=q) for p, q in zip(prompts, params)]
+    unpenalized = [target_generate(target, p, max_new, stop_ids=stop_ids) for p in prompts]
+    assert sum(t != u for t, u in zip(truth, unpenalized)) >= 4  # the parameters change the output
+
+    flip = random.Random(1)
+
+    def proposer(i, done, n):  # the true continuation with some corruptions
+        return [(truth[i][done + j] if done + j < len(truth[i]) else 0) ^ (flip.random() < 0.15) for j in range(n)]
+
+    joins = [0, 0, 1, 1, 2, 3, 3]
+    got = run_server_like(target, prompts, params, proposer, block_size, max_new, stop_ids, join_at=joins)
+    assert got == truth
