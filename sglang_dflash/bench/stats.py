@@ -22,12 +22,22 @@ def _ms(x):
     return None if x is None else round(1000 * x, 3)
 
 
+def step_time(r: RequestResult):
+    """Seconds per decode step after the first token: a verify step under speculation, a token
+    without (then it is the TPOT)."""
+    steps = r.spec_verify_ct or r.completion_tokens - 1
+    if r.ttft is None or steps < 1:
+        return None
+    return (r.latency - r.ttft) / steps
+
+
 def summarize(results: list[RequestResult], wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     verify = sum(r.spec_verify_ct for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
+    steps = [step_time(r) for r in ok]
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -40,6 +50,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "tpot_p50_ms": _ms(percentile(tpot, 50)),
         "tpot_p99_ms": _ms(percentile(tpot, 99)),
+        "step_p50_ms": _ms(percentile([t for t in steps if t is not None], 50)),
         "first_error": next((r.error for r in results if not r.ok), None),
     }
 
@@ -96,3 +107,17 @@ def side_by_side(rows: list[dict]) -> dict:
             "builtin_kv_after": by["builtin"].get("kv_after", {}).get("num_used_tokens"),
         }
     return out
+
+
+def step_table(rows: list[dict]) -> dict:
+    """Per label and concurrency the median step time, and its ratio to AR's at that level."""
+    ar = {r["concurrency"]: r["step_p50_ms"] for r in rows if r["impl"] == "ar" and r.get("step_p50_ms")}
+    table = {}
+    for r in rows:
+        if r.get("step_p50_ms") is None:
+            continue
+        base = ar.get(r["concurrency"])
+        table.setdefault(r["label"], {})[str(r["concurrency"])] = {
+            "step_ms": round(r["step_p50_ms"], 3), "over_ar": round(r["step_p50_ms"] / base, 3) if base else None}
+    return table
+

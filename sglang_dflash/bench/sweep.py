@@ -11,6 +11,12 @@ sweep goes on. --skip-launch --base-url URL measures a running server. --interle
 server up at once and lets them take turns wave by wave, so a drift in the machine's speed
 (host-bound small models vary by tens of percent between runs) falls on all alike.
 The prompt sets come from the cache that sglang-dflash-fetch-datasets fills.
+
+--rig zero|random needs no model at all: it writes a real-shape target and draft (--rig-shape,
+default qwen3-8b; sparse safetensors, instant) into --rig-dir and sends token-id requests of
+--rig-prompt-len tokens that run to --max-new-tokens. zero weights accept every draft (tau = block
+size), random ones (--load-format dummy) almost none (tau ~ 1). The report gives each level's
+per-step time and, beside it, the bytes floor of a DFLASH step over a plain one.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import shlex
 import sys
 from dataclasses import replace
 
+from . import rig
 from .cli import comma_list, parser
 from .client import flush_cache, kv_loads, progress, run_requests, server_info
 from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
 from .report import markdown_report, plot, update_summary
 from .server import DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, cpu_slices, is_implementation
-from .stats import add_speedups, side_by_side, summarize
+from .stats import add_speedups, side_by_side, step_table, summarize
 
 REPORT_SETTINGS = ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts")
 
@@ -98,6 +105,11 @@ def build_parser():
     ap.add_argument("--tp-size", type=int, help="passed to every server (default: SGLang's)")
     ap.add_argument("--mem-fraction-static", type=float, help="passed to every server (default: SGLang's)")
     ap.add_argument("--server-args", default="", help="extra flags passed to every server, one string")
+    ap.add_argument("--rig", choices=rig.MODES, help="no model: a real-shape pair with zero (tau = block size) "
+                                                     "or random (tau ~ 1) weights, token-id prompts")
+    ap.add_argument("--rig-shape", choices=sorted(rig.SHAPES), default="qwen3-8b", help="the --rig target's shape")
+    ap.add_argument("--rig-dir", default="/tmp/dflash-rig", help="where --rig writes its checkpoints")
+    ap.add_argument("--rig-prompt-len", type=int, default=128, help="prompt tokens of a --rig request")
     ap.add_argument("--interleave", action="store_true",
                     help="all servers up at once, taking turns wave by wave (give each a small KV pool: "
                          "--server-args '--max-total-tokens N')")
@@ -122,6 +134,14 @@ def parse_args(argv=None):
         if missing:
             ap.error(f"--from-results: no such file {missing[0]!r}")
         return args
+    if args.rig:
+        if args.model_path or args.draft_model_path:
+            ap.error("--rig writes its own target and draft: leave out --model-path and --draft-model-path")
+        if args.rig_prompt_len < 1:
+            ap.error("--rig-prompt-len must be >= 1")
+        args.model_path = os.path.join(args.rig_dir, args.rig_shape, "target")
+        args.draft_model_path = os.path.join(args.rig_dir, args.rig_shape, "draft")
+        args.datasets = f"rig-{args.rig}"
     if not args.model_path:
         ap.error("--model-path is required (unless --from-results)")
     args.impls = comma_list(args.impls)
@@ -133,7 +153,7 @@ def parse_args(argv=None):
         if impl in DFLASH_IMPLS and not args.draft_model_path and not args.skip_launch:
             ap.error(f"--impls {impl} needs --draft-model-path")
     args.datasets = comma_list(args.datasets)
-    problem = problem_with_names(args.datasets)
+    problem = None if args.rig else problem_with_names(args.datasets)
     if problem:
         ap.error(f"--datasets: {problem}")
     args.concurrencies = _int_list(ap, "--concurrencies", args.concurrencies, 1)
@@ -166,7 +186,7 @@ def parse_args(argv=None):
 
 
 def server_flags(args) -> list[str]:
-    flags = shlex.split(args.server_args)
+    flags = shlex.split(args.server_args) + (rig.server_flags(args.rig) if getattr(args, "rig", None) else [])
     for flag, value in (("--attention-backend", args.attention_backend), ("--tp-size", args.tp_size),
                         ("--mem-fraction-static", args.mem_fraction_static)):
         if value is not None:
@@ -252,15 +272,20 @@ def server_failure(spec: ServerSpec, e: ServerError) -> dict:
 
 def sweep(args) -> tuple[list[dict], list[dict]]:
     """Launch each server in turn (or use the running one) and measure every dataset and concurrency."""
-    problem = problem_with_cache(args.datasets, args.data_dir)
-    if problem:  # before any tokenizer is loaded or server started
-        raise SystemExit(problem)
-    payload_template = sampling_params(args)
     datasets = {}
-    for d in args.datasets:
-        prompts = render_prompts(load_dataset_prompts(d, args.data_dir, args.num_prompts), args.model_path,
-                                 args.thinking)
-        datasets[d] = [dict(p, sampling_params=payload_template) for p in prompts]
+    if args.rig:
+        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape, args.block_sizes[0] or 16)
+        datasets[args.datasets[0]] = rig.rig_payloads(args.num_prompts, args.rig_prompt_len, args.max_new_tokens,
+                                                      rig.SHAPES[args.rig_shape].vocab)
+    else:
+        problem = problem_with_cache(args.datasets, args.data_dir)
+        if problem:  # before any tokenizer is loaded or server started
+            raise SystemExit(problem)
+        payload_template = sampling_params(args)
+        for d in args.datasets:
+            prompts = render_prompts(load_dataset_prompts(d, args.data_dir, args.num_prompts), args.model_path,
+                                     args.thinking)
+            datasets[d] = [dict(p, sampling_params=payload_template) for p in prompts]
     rows, failures = [], []
     specs = []
     for impl in args.impls:
@@ -322,6 +347,36 @@ def load_results(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
     return rows, failures, settings
 
 
+def scale_section(args, rows: list[dict]) -> dict:
+    block = args.block_sizes[0] or 16
+    return {"shape": args.rig_shape, "weights": args.rig, "block_size": block, "prompt_len": args.rig_prompt_len,
+            "max_new_tokens": args.max_new_tokens, **rig.floor_ratio(args.rig_shape, block), "steps": step_table(rows)}
+
+
+def scale_report(scale: dict) -> str:
+    concs = sorted({int(c) for by_conc in scale["steps"].values() for c in by_conc})
+    lines = [f"## Step time at scale: {scale['shape']}, {scale['weights']} weights", "",
+             f"A DFLASH step must read {scale['floor_ratio_c1']:.2f}x the weight bytes of a plain step at "
+             f"concurrency 1 (target {scale['target_gb']:.1f} GB, draft {scale['draft_gb']:.1f} GB, "
+             f"lm_head again {scale['lm_head_gb']:.1f} GB).", "",
+             "| impl | " + " | ".join(f"c{c} ms (x AR)" for c in concs) + " |", "|---|" + "---|" * len(concs)]
+    for label, by_conc in scale["steps"].items():
+        cells = []
+        for c in concs:
+            cell = by_conc.get(str(c))
+            ratio = f" ({cell['over_ar']:.2f}x)" if cell and cell["over_ar"] else ""
+            cells.append(f"{cell['step_ms']:.2f}{ratio}" if cell else "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def current_summary(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -336,6 +391,11 @@ def main(argv=None) -> int:
     add_speedups(rows)
     settings = write_results(args, rows, failures)
     report = markdown_report(rows, {k: settings[k] for k in REPORT_SETTINGS}, failures)
+    scale = scale_section(args, rows) if getattr(args, "rig", None) else None
+    if scale:
+        with open(os.path.join(args.output_dir, "scale.json"), "w") as f:
+            json.dump(scale, f, indent=1)
+        report += scale_report(scale)
     with open(os.path.join(args.output_dir, "report.md"), "w") as f:
         f.write(report)
     if args.summary:
@@ -345,6 +405,8 @@ def main(argv=None) -> int:
         comparison = side_by_side(rows)
         if comparison:
             updates["side_by_side"] = comparison
+        if scale:
+            updates["scale"] = {**current_summary(args.summary).get("scale", {}), f"rig_{args.rig}": scale}
         update_summary(args.summary, updates)
     print(report)
     plot(rows, args.output_dir)  # after the report: whatever the plot meets, the report is out

@@ -1,0 +1,164 @@
+"""Real-shape target and draft checkpoints with no download: timing at scale on any machine.
+
+``write_rig`` writes a Qwen3-shaped target (HF layout) and a DFlash draft (z-lab layout) whose
+safetensors are *sparse*: the header is real and the tensor bytes are a hole, which reads as
+zeros. A 16 GB Qwen3-8B appears in milliseconds and takes no disk.
+
+* ``zero`` weights: every logit ties, target and draft both pick token 0, every drafted token is
+  accepted (tau = block size): the all-accept ceiling.
+* ``random`` weights (the servers load with ``--load-format dummy``): drafts are almost never
+  accepted (tau ~ 1): the pure cost of speculating.
+
+Requests are token ids (``--skip-tokenizer-init``; no tokenizer is written) with ``ignore_eos``.
+:func:`floor_ratio` is the bytes a DFLASH step must read at concurrency 1 over a plain step's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+from dataclasses import dataclass
+
+from ..config import DFlashDraftConfig, default_target_layer_ids, expected_draft_tensors
+
+MODES = ("zero", "random")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 151936
+    head_dim: int = 128
+    tie_embeddings: bool = False
+    mask_token_id: int = 151669  # the published Qwen3 drafts' mask row
+
+
+SHAPES = {
+    "qwen3-8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, intermediate=12288),
+    "qwen3-32b": Shape(hidden=5120, layers=64, heads=64, kv_heads=8, intermediate=25600),
+    "qwen3-4b": Shape(hidden=2560, layers=36, heads=32, kv_heads=8, intermediate=9728, tie_embeddings=True),
+}
+DRAFT_LAYERS = 5
+
+
+def target_tensors(s: Shape) -> dict[str, tuple[int, ...]]:
+    """Qwen3ForCausalLM's tensors, as HF names them."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,)}
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": (s.hidden,), p + "post_attention_layernorm.weight": (s.hidden,),
+            p + "self_attn.q_proj.weight": (q, s.hidden), p + "self_attn.k_proj.weight": (kv, s.hidden),
+            p + "self_attn.v_proj.weight": (kv, s.hidden), p + "self_attn.o_proj.weight": (s.hidden, q),
+            p + "self_attn.q_norm.weight": (s.head_dim,), p + "self_attn.k_norm.weight": (s.head_dim,),
+            p + "mlp.gate_proj.weight": (s.intermediate, s.hidden), p + "mlp.up_proj.weight": (s.intermediate, s.hidden),
+            p + "mlp.down_proj.weight": (s.hidden, s.intermediate),
+        })
+    if not s.tie_embeddings:
+        out["lm_head.weight"] = (s.vocab, s.hidden)
+    return out
+
+
+def target_config(s: Shape) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": s.hidden,
+        "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim, "intermediate_size": s.intermediate, "vocab_size": s.vocab,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+        "tie_word_embeddings": s.tie_embeddings, "attention_bias": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    }
+
+
+def draft_config(s: Shape, block_size: int, layers: int = DRAFT_LAYERS) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": s.hidden,
+        "num_hidden_layers": layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim, "intermediate_size": s.intermediate, "vocab_size": s.vocab,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "num_target_layers": s.layers,
+        "block_size": block_size,
+        "dflash_config": {"target_layer_ids": default_target_layer_ids(s.layers, layers),
+                          "mask_token_id": s.mask_token_id, "block_size": block_size},
+    }
+
+
+def draft_tensors(s: Shape, block_size: int, layers: int = DRAFT_LAYERS) -> dict[str, tuple[int, ...]]:
+    return expected_draft_tensors(DFlashDraftConfig.from_dict(draft_config(s, block_size, layers)))
+
+
+def write_sparse_safetensors(path: str, tensors: dict[str, tuple[int, ...]], dtype: str = "BF16") -> int:
+    """A valid safetensors file whose data is a hole (zeros); returns its size in bytes."""
+    itemsize = {"BF16": 2, "F16": 2, "F32": 4}[dtype]
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in tensors.items():
+        n = itemsize
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    return 8 + len(blob) + offset
+
+
+def write_rig(out_dir: str, shape: str = "qwen3-8b", block_size: int = 16) -> tuple[str, str]:
+    """``out_dir/target`` and ``out_dir/draft``; returns their paths. Rewrites nothing already there."""
+    s = SHAPES[shape]
+    paths = []
+    for name, config, tensors in (("target", target_config(s), target_tensors(s)),
+                                  ("draft", draft_config(s, block_size), draft_tensors(s, block_size))):
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        weights = os.path.join(folder, "model.safetensors")
+        if not os.path.exists(weights):
+            write_sparse_safetensors(weights, tensors)
+        paths.append(folder)
+    return paths[0], paths[1]
+
+
+def tensor_bytes(tensors: dict[str, tuple[int, ...]], itemsize: int = 2) -> int:
+    total = 0
+    for shape in tensors.values():
+        n = itemsize
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def floor_ratio(shape: str, block_size: int = 16) -> dict:
+    """Weight bytes a DFLASH step reads at concurrency 1 (target once, draft once, the target's
+    lm_head again for the drafted positions) over a plain step's (target once)."""
+    s = SHAPES[shape]
+    lm_head = s.vocab * s.hidden * 2
+    # A step reads the whole lm_head but only its tokens' embedding rows (untied: a table apart).
+    target = tensor_bytes(target_tensors(s)) - (0 if s.tie_embeddings else lm_head)
+    draft = tensor_bytes(draft_tensors(s, block_size))
+    return {"target_gb": target / 1e9, "draft_gb": draft / 1e9, "lm_head_gb": lm_head / 1e9,
+            "floor_ratio_c1": (target + draft + lm_head) / target}
+
+
+def rig_payloads(n: int, prompt_len: int, max_new_tokens: int, vocab: int = 151936, seed: int = 0) -> list[dict]:
+    """Token-id requests that always run to ``max_new_tokens``."""
+    rng = random.Random(seed)
+    return [{"input_ids": [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)],
+             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+            for _ in range(n)]
+
+
+def server_flags(mode: str) -> list[str]:
+    flags = ["--skip-tokenizer-init"]
+    return flags + (["--load-format", "dummy"] if mode == "random" else [])

@@ -1,0 +1,93 @@
+"""The real-scale rig (sglang_dflash.bench.rig): sparse real-shape checkpoints, the bytes floor,
+and the benchmark's --rig mode against the fake server."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+from safetensors import safe_open
+
+from sglang_dflash.bench import rig, sweep
+from sglang_dflash.bench.server import ServerSpec
+from sglang_dflash.config import TargetInfo, load_and_validate
+
+FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
+
+
+def test_a_qwen3_8b_pair_appears_at_once_takes_no_disk_and_passes_the_draft_checks(tmp_path):
+    t0 = time.perf_counter()
+    target, draft = rig.write_rig(str(tmp_path), "qwen3-8b", block_size=16)
+    assert time.perf_counter() - t0 < 5
+    sizes = {p: os.path.getsize(os.path.join(p, "model.safetensors")) for p in (target, draft)}
+    assert sizes[target] > 16e9 and sizes[draft] > 2e9  # the published sizes (16.4 GB, 2.1 GB)
+    assert sum(os.stat(os.path.join(p, "model.safetensors")).st_blocks for p in sizes) * 512 < 10e6  # holes
+    with safe_open(os.path.join(draft, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        fc = f.get_tensor("fc.weight")
+    assert len(names) == 58 and tuple(fc.shape) == (4096, 5 * 4096) and not fc.any()  # z-lab count, zeros
+    with safe_open(os.path.join(target, "model.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == 36 * 11 + 3
+        assert tuple(f.get_slice("lm_head.weight").get_shape()) == (151936, 4096)
+    cfg = load_and_validate(draft, TargetInfo.from_pretrained(target), block_size=16)
+    assert list(cfg.target_layer_ids) == [1, 9, 17, 25, 33] and cfg.mask_token_id == 151669
+
+
+def test_floor_ratio_counts_target_draft_and_the_second_lm_head_read():
+    f = rig.floor_ratio("qwen3-8b")
+    layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    target = 2 * (36 * layer + 4096 + 151936 * 4096)  # layers, final norm, lm_head (not the embedding)
+    draft = 2 * (5 * layer + 4096 * 5 * 4096 + 2 * 4096)  # layers, fc, hidden_norm and norm
+    assert f["target_gb"] == pytest.approx(target / 1e9) and f["draft_gb"] == pytest.approx(draft / 1e9)
+    assert f["floor_ratio_c1"] == pytest.approx((target + draft + 2 * 151936 * 4096) / target)
+    assert 1.2 < f["floor_ratio_c1"] < 1.25
+    assert rig.floor_ratio("qwen3-32b")["floor_ratio_c1"] < f["floor_ratio_c1"]  # a bigger target hides more
+
+
+def test_rig_requests_are_token_ids_that_run_to_the_budget():
+    payloads = rig.rig_payloads(3, 7, 50)
+    assert [len(p["input_ids"]) for p in payloads] == [7, 7, 7]
+    assert all(p["sampling_params"] == {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True} for p in payloads)
+    assert rig.server_flags("zero") == ["--skip-tokenizer-init"]
+    assert rig.server_flags("random")[-2:] == ["--load-format", "dummy"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rig", "zero", "--model-path", "m"], "--rig writes its own target and draft"),
+    (["--rig", "ones"], "invalid choice: 'ones'"),
+    (["--rig", "zero", "--rig-prompt-len", "0"], "--rig-prompt-len must be >= 1"),
+])
+def test_bad_rig_arguments_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(["--impls", "ar", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_rig_sweep_reports_step_times_beside_the_floor(tmp_path, monkeypatch):
+    def command(self, port):  # AR: 1 ms a token; DFLASH: 8 ms a step of 8
+        ar = self.impl == "ar"
+        return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if ar else "8",
+                "--delay-ms", "1" if ar else "8"]
+
+    flags = []
+    real_server_flags = sweep.server_flags
+    monkeypatch.setattr(sweep, "server_flags", lambda args: flags.append(real_server_flags(args)) or flags[-1])
+    monkeypatch.setattr(ServerSpec, "command", command)
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"scale": {"rig_random": {"kept": True}}}))
+    rc = sweep.main(["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--impls", "ar,plugin",
+                     "--num-prompts", "4", "--max-new-tokens", "24", "--rig-prompt-len", "16",
+                     "--concurrencies", "1,2", "--output-dir", str(tmp_path / "out"), "--startup-timeout", "30",
+                     "--summary", str(summary)])
+    assert rc == 0
+    assert os.path.isfile(tmp_path / "rig" / "qwen3-8b" / "draft" / "model.safetensors")
+    assert "--skip-tokenizer-init" in flags[0] and "--load-format" not in flags[0]
+    scale = json.load(open(tmp_path / "out" / "scale.json"))
+    assert scale["shape"] == "qwen3-8b" and scale["weights"] == "zero" and 1.2 < scale["floor_ratio_c1"] < 1.25
+    steps = scale["steps"]
+    assert set(steps) == {"ar", "plugin"} and set(steps["plugin"]) == {"1", "2"}
+    assert steps["ar"]["1"]["over_ar"] == 1.0 and steps["plugin"]["1"]["over_ar"] > 1.5  # about 5 ms vs 1 ms a step
+    assert "## Step time at scale: qwen3-8b, zero weights" in open(tmp_path / "out" / "report.md").read()
+    recorded = json.loads(summary.read_text())["scale"]
+    assert recorded["rig_random"] == {"kept": True} and recorded["rig_zero"]["steps"] == steps
