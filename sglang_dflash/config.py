@@ -471,6 +471,32 @@ def builtin_serves(server_args, release) -> Optional[str]:
     return None
 
 
+# Attention backends whose kernels exist for Blackwell (compute capability 10.x) only.
+BLACKWELL_ONLY_BACKENDS = ("fa4", "trtllm_mha")
+BACKEND_FLAGS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend",
+                 "speculative_draft_attention_backend")
+
+
+def gpu_capability() -> Optional[tuple[int, int]]:
+    try:
+        import torch
+
+        return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    except (ImportError, RuntimeError):
+        return None
+
+
+def check_attention_backends(args) -> None:
+    """A Blackwell-only backend asked for on an older GPU fails here, in one line."""
+    asked = [(f, getattr(args, f, None)) for f in BACKEND_FLAGS if getattr(args, f, None) in BLACKWELL_ONLY_BACKENDS]
+    capability = gpu_capability() if asked else None
+    if capability is not None and capability[0] < 10:
+        field, backend = asked[0]
+        raise DFlashConfigError("--" + field.replace("_", "-"), (
+            f"{backend} runs on Blackwell GPUs (compute capability 10.x), this GPU is "
+            f"{capability[0]}.{capability[1]}: use fa3, flashinfer or triton"))
+
+
 def validate_server_args(server_args, release) -> DFlashDraftConfig:
     """Every start-up check that needs only files and flags. Returns the resolved draft config."""
     args = release.resolving(server_args)
@@ -485,6 +511,7 @@ def validate_server_args(server_args, release) -> DFlashDraftConfig:
     if getattr(args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
         raise DFlashConfigError("--mamba-radix-cache-strategy", "extra_buffer_lazy is not served with DFLASH; "
                                 "use extra_buffer")
+    check_attention_backends(args)
     if args.speculative_draft_model_path is None:
         raise DFlashConfigError("--speculative-draft-model-path", "required with --speculative-algorithm DFLASH")
     draft_path = local_checkpoint(args.speculative_draft_model_path, "--speculative-draft-model-path",

@@ -82,6 +82,21 @@ def server_args(tmp_path, **overrides):
     return SimpleNamespace(**args)
 
 
+@pytest.mark.parametrize("field", ["attention_backend", "speculative_draft_attention_backend"])
+@pytest.mark.parametrize("backend", ["fa4", "trtllm_mha"])
+def test_a_blackwell_only_backend_on_hopper_is_refused_in_one_line(tmp_path, monkeypatch, field, backend):
+    from sglang_dflash import config
+
+    monkeypatch.setattr(config, "gpu_capability", lambda: (9, 0))
+    with pytest.raises(SystemExit) as e:
+        integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path, **{field: backend}))
+    message, flag = str(e.value.code), "--" + field.replace("_", "-")
+    assert message.startswith(f"sglang-dflash: {flag}: {backend} runs on Blackwell") and "\n" not in message
+    assert "this GPU is 9.0: use fa3, flashinfer or triton" in message
+    monkeypatch.setattr(config, "gpu_capability", lambda: (10, 0))  # a B200 takes it
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "b200", **{field: backend}))
+
+
 def test_args_hook_validates_then_defers_to_sglang(tmp_path):
     seen = []
     args = server_args(tmp_path)
