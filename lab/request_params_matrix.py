@@ -63,8 +63,7 @@ def prompts_for(pair: str, target: str, n: int, length: int = 32) -> list[list[i
     return [p[-length:] for p in ids if len(p) >= length][:n]
 
 
-def rows(prompts: list[list[int]], new_tokens: int, grammar: bool, stop_text: dict,
-         logprobs: bool = True) -> dict[str, list[dict]]:
+def rows(prompts: list[list[int]], new_tokens: int, grammar: bool, stop_text: dict) -> dict[str, list[dict]]:
     def each(**sp):
         return [{"input_ids": p, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, **sp}}
                 for p in prompts]
@@ -84,10 +83,9 @@ def rows(prompts: list[list[int]], new_tokens: int, grammar: bool, stop_text: di
         "ignore_eos": each(ignore_eos=True),
         "n": [dict(r, sampling_params=dict(r["sampling_params"], n=2)) for r in each()],
         "stream": [dict(r, stream=True) for r in each(frequency_penalty=0.4)],
+        "return_logprob": [dict(r, return_logprob=True, top_logprobs_num=5, token_ids_logprob=[0, 1, 2],
+                                logprob_start_len=0) for r in each(presence_penalty=0.5)],
     }
-    if logprobs:  # SGLang 0.5.17 refuses logprob requests under DFLASH
-        out["return_logprob"] = [dict(r, return_logprob=True, top_logprobs_num=5, token_ids_logprob=[0, 1, 2],
-                                      logprob_start_len=0) for r in each(presence_penalty=0.5)]
     if grammar:
         out["json_schema"] = each(json_schema=json.dumps(SCHEMA))
         out["regex"] = each(regex=REGEX)
@@ -216,8 +214,7 @@ def main() -> None:
         plain = run_row({"ar-sync": servers["ar-sync"]}, rows(prompts, args.new_tokens, False, {})["plain"])
         stop_text = {i: out[0].get("text", "")[8:11] for i, out in enumerate(plain["ar-sync"])
                      if len(out[0].get("text", "").strip()) > 12}
-        logprobs = compat.running().has("logprobs_reach_worker")
-        for name, payloads in rows(prompts, args.new_tokens, args.grammar != "none", stop_text, logprobs).items():
+        for name, payloads in rows(prompts, args.new_tokens, args.grammar != "none", stop_text).items():
             record["rows"][name] = {"requests": len(payloads), **compare(run_row(servers, payloads))}
             save(stage=f"row {name}")
         dists = {n: first_tokens_distribution(servers[n].url, prompts[0], args.samples) for n in names}

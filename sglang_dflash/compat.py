@@ -8,7 +8,8 @@ first release that changed each thing (:data:`CHANGES`), grouped into the famili
 family   releases         what the plugin sees change
 =======  ===============  =====================================================================
 F2       0.5.17           the base: ``Req.update_finish_state`` checks the budget before stops;
-                          SGLang refuses ``return_logprob`` for DFLASH itself
+                          SGLang refuses ``return_logprob`` for DFLASH itself (a hook lets it
+                          through; ``compute_spec_v2_logprobs`` fills it)
 F3       0.5.18           stops are checked before the budget; logprob requests reach the worker,
                           which fills them with ``compute_spec_logprobs``
 F4       0.5.19-0.5.20    server args resolve through declarations (0.5.20 raises on a raw
@@ -79,6 +80,7 @@ HOOK_TARGETS = {
     "handle_dflash_args": "sglang.srt.arg_groups.speculative_hook._handle_dflash",
     "resolve_algorithm": "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias",
     "stop_before_length": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
+    "allow_logprobs": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 
@@ -202,11 +204,18 @@ class SGLangRelease:
         return ids
 
     def fill_logprobs(self, batch, logits_output, tokens, block_size: int) -> None:
-        """Logprobs of the committed tokens (0.5.18+; on 0.5.17 SGLang refuses such requests)."""
+        """Logprobs of the block's tokens, row j of request i from verify row i*B + j; SGLang keeps
+        the committed ones."""
         if self.has("logprobs_reach_worker"):
             from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
             compute_spec_logprobs(batch, logits_output, tokens.reshape(-1), chain_stride=block_size)
+        else:  # EAGLE's tree form; a chain is the identity gather
+            import torch
+            from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
+
+            rows = torch.arange(tokens.numel(), device=tokens.device).view(-1, block_size)
+            compute_spec_v2_logprobs(batch, logits_output, tokens.reshape(-1), rows, block_size - 1)
 
     # ---- what the built-in keeps ---------------------------------------------------------
 
@@ -229,6 +238,8 @@ class SGLangRelease:
         targets = {name: HOOK_TARGETS[name] for name in ("create_worker", "handle_dflash_args", "resolve_algorithm")}
         if not self.has("stops_before_budget"):
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
+        if not self.has("logprobs_reach_worker"):
+            targets["allow_logprobs"] = HOOK_TARGETS["allow_logprobs"]
         return targets
 
     def symbols(self) -> list[Symbol]:
@@ -310,6 +321,9 @@ class SGLangRelease:
         if self.has("logprobs_reach_worker"):
             syms.append(Symbol("sglang.srt.layers.logprob_processor", "compute_spec_logprobs",
                                ("batch", "logits_output", "predict", "chain_stride")))
+        else:
+            syms.append(Symbol("sglang.srt.layers.logprob_processor", "compute_spec_v2_logprobs",
+                               ("batch", "logits_output", "predict", "accept_index", "speculative_num_steps")))
         if self.has("min_new_tokens_model_eos"):
             syms.append(Symbol("sglang.srt.managers.schedule_batch", "Req.eos_token_ids"))
         if self.has("kv_loc_plan"):

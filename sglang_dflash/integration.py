@@ -15,6 +15,8 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
   config through transformers, so a bad draft is named here in one line, not in a traceback.
 * ``Req.update_finish_state`` (0.5.17 only): SGLang checks ``max_new_tokens`` before stop tokens
   and strings, so a stop inside a multi-token verify step that also reaches the budget was lost.
+* ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
+  DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
 
 A draft architecture only the built-in implements, DP attention where the built-in serves it,
 ``SGLANG_DFLASH_IMPL=builtin``, an SGLang release outside the supported range, or one that lacks
@@ -81,6 +83,7 @@ def register() -> None:
         "handle_dflash_args": handle_dflash_args_hook,
         "resolve_algorithm": draft_path_hook,
         "stop_before_length": stop_before_length_hook,
+        "allow_logprobs": allow_logprobs_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
@@ -194,3 +197,22 @@ def handle_dflash_args_hook(original, server_args):
         release.version, release.resolving(server_args).speculative_num_draft_tokens,
         view.speculative_draft_model_path, list(cfg.target_layer_ids),
     )
+
+
+class _WithoutLogprobs:
+    """A request as SGLang's DFLASH check would see it without return_logprob."""
+
+    return_logprob = False
+
+    def __init__(self, req):
+        self._req = req
+
+    def __getattr__(self, name):
+        return getattr(self._req, name)
+
+
+def allow_logprobs_hook(original, req, *args, **kwargs):
+    """0.5.17: logprob requests reach the plugin's worker, which fills them; SGLang's other DFLASH
+    request checks still apply. Other servers (and the built-in DFLASH) keep SGLang's check."""
+    return original(_WithoutLogprobs(req) if _serving else req, *args, **kwargs)
+

@@ -166,9 +166,29 @@ def test_the_running_release_gets_all_its_hooks(monkeypatch):
     assert RELEASE.supported, f"CI runs supported releases only, found {RELEASE.version}"
     targets = registered_targets(monkeypatch, RELEASE)
     assert targets == list(RELEASE.hook_targets().values())
-    # The budget hook only where SGLang still checks the budget first; logprob requests pass SGLang's check.
+    # Where SGLang still checks the budget first, and refuses logprobs under DFLASH: 0.5.17 only.
     assert (integration.UPDATE_FINISH_STATE in targets) == (RELEASE.version == "0.5.17")
-    assert not any(t.endswith("validate_dflash_request") for t in targets)
+    assert any(t.endswith("validate_dflash_request") for t in targets) == (RELEASE.version == "0.5.17")
+
+
+def test_logprob_requests_pass_only_a_plugin_dflash_servers_check(monkeypatch):
+    """0.5.17's check refuses return_logprob first: in a plugin server it sees the request without
+    it, so its other checks (hidden states under overlap) still speak; elsewhere it is SGLang's."""
+    def sglang_check(req, enable_overlap):  # 0.5.17's validate_dflash_request
+        if req.return_logprob:
+            return "DFLASH speculative decoding does not support return_logprob yet."
+        if enable_overlap and req.return_hidden_states:
+            return "DFLASH speculative decoding does not support return_hidden_states yet."
+        return None
+
+    req = SimpleNamespace(return_logprob=True, return_hidden_states=False)
+    monkeypatch.setattr(integration, "_serving", True)
+    assert integration.allow_logprobs_hook(sglang_check, req, True) is None
+    both = SimpleNamespace(return_logprob=True, return_hidden_states=True)
+    assert "return_hidden_states" in integration.allow_logprobs_hook(sglang_check, both, True)
+    assert req.return_logprob  # the request itself is untouched
+    monkeypatch.setattr(integration, "_serving", False)  # EAGLE, NGRAM, the built-in DFLASH
+    assert "return_logprob" in integration.allow_logprobs_hook(sglang_check, req, True)
 
 
 @pytest.mark.parametrize("version", ["0.5.16", "0.5.24", "0.6.0"])

@@ -211,9 +211,9 @@ def test_each_verify_position_samples_with_its_requests_seed_and_its_position(mo
 
 
 def test_logprobs_of_the_committed_tokens_come_from_their_own_verify_rows():
-    """From 0.5.18 the worker fills logprobs through SGLang's compute_spec_logprobs: token j of
-    request i scores in row i*B + j of the adjusted logits, top-k and chosen ids included. On
-    0.5.17 SGLang refuses logprob requests before they reach the worker."""
+    """The worker fills logprobs through SGLang's own function (compute_spec_logprobs from 0.5.18,
+    EAGLE's compute_spec_v2_logprobs on 0.5.17): token j of request i scores in row i*B + j of the
+    adjusted logits, top-k and chosen ids included."""
     from sglang_dflash import compat
 
     release = compat.running()
@@ -226,9 +226,6 @@ def test_logprobs_of_the_committed_tokens_come_from_their_own_verify_rows():
                             sampling_info=SimpleNamespace(is_all_greedy=True, temperatures=torch.ones(bs, 1)))
     out = SimpleNamespace(next_token_logits=logits)
     release.fill_logprobs(batch, out, tokens, B)
-    if not release.has("logprobs_reach_worker"):
-        assert not hasattr(out, "next_token_logprobs")
-        return
     logprobs = torch.log_softmax(logits, -1)
     torch.testing.assert_close(out.next_token_logprobs, logprobs.gather(1, tokens.view(-1, 1)).view(bs, B))
     top_val, top_idx = out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx
