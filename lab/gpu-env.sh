@@ -13,6 +13,11 @@ mkdir -p "$_kparts"
 for _kf in "$_kroot"/.[!.]*/kit-"$_kv".* "$_kroot"/[!.]*/kit-"$_kv".*; do
     [ -f "$_kf" ] && [ ! -f "$_kparts/${_kf##*/}" ] && cp "$_kf" "$_kparts"/
 done
+# FA3 (lab/pack-fa3.sh), when its parts come along: stashed like the kit's, installed below.
+_kfa=/tmp/fa3-parts
+for _kf in "$_kroot"/.fa3-p*/fa3.*; do
+    [ -f "$_kf" ] && mkdir -p "$_kfa" && [ ! -f "$_kfa/${_kf##*/}" ] && cp "$_kf" "$_kfa"/
+done
 if [ ! -f "$_ksite/.ok" ]; then
     if [ -f "$_kparts/kit-$_kv.sha256" ] && (cd "$_kparts" && sha256sum -c --quiet "kit-$_kv.sha256" > /dev/null 2>&1); then
         rm -rf "$_ksite" && mkdir -p "$_ksite" &&
@@ -21,6 +26,13 @@ if [ ! -f "$_ksite/.ok" ]; then
     else
         echo "gpu-env: kit $_kv incomplete; stashed: $(cd "$_kparts" && ls | tr '\n' ' ')" >&2
         return 1
+    fi
+fi
+if [ -f "$_kfa/fa3.sha256" ] && [ ! -f "$_ksite/sgl_kernel/flash_ops.abi3.so" ]; then
+    if (cd "$_kfa" && sha256sum -c --quiet fa3.sha256 > /dev/null 2>&1); then
+        cat "$_kfa"/fa3.part* | xz -d > "$_ksite/sgl_kernel/flash_ops.abi3.so" && echo "gpu-env: FA3 installed"
+    else
+        echo "gpu-env: FA3 incomplete; stashed: $(cd "$_kfa" && ls | tr '\n' ' ')" >&2
     fi
 fi
 # kit-shim/sitecustomize.py stands in for a cutlass-only SGLang module; see its docstring.
@@ -33,4 +45,4 @@ export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 # 2.14's C++ API. It does load on 2.11, but nothing vouches for the object layouts it shares with
 # torch; the pure-Python tree core does the same work and was the one the smoke test ran.
 export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
-unset _kv _kroot _kparts _ksite _kf
+unset _kv _kroot _kparts _ksite _kf _kfa
