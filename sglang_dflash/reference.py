@@ -390,13 +390,15 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
     params: RequestParams = PLAIN,
+    width: Optional[Callable[[int], int]] = None,
 ) -> SpecResult:
     """DFlash decoding: draft a block in one pass, verify it in one target pass, keep the match.
 
     The target is recomputed over the whole sequence each step (no KV cache), which is slow but
     leaves no cache bookkeeping to get wrong: it is the definition the servers must match.
     Verify position k takes ``params`` as plain decoding would there: after the committed output
-    and the block's candidates 1..k.
+    and the block's candidates 1..k. ``width(step)`` (1..block_size, default block_size) verifies
+    only the block's first candidates at that step; width 1 is a plain decoding step.
     """
     logits, hidden = target(torch.tensor(list(prompt)))
     out = [int(sample_tokens(params.adjust(logits[-1], [], stop_ids), temperature, generator))]
@@ -405,15 +407,17 @@ def speculative_generate(
     out, done = truncate_at_stop(out, stop_ids, max_new_tokens)
     while not done:
         start = len(prompt) + len(out) - 1  # position of the last committed token
-        block = torch.full((block_size,), mask_token_id, dtype=torch.long)
-        block[0] = out[-1]
-        candidates = block.clone()
-        candidates[1:] = propose(features[:start], block, start)
+        w = block_size if width is None else width(len(result.accept_lengths))
+        candidates = torch.tensor(out[-1:])
+        if w > 1:
+            block = torch.full((block_size,), mask_token_id, dtype=torch.long)
+            block[0] = out[-1]
+            candidates = torch.cat([candidates, propose(features[:start], block, start)[: w - 1]])
         seq = torch.tensor(list(prompt) + out[:-1] + candidates.tolist())
         logits, hidden = target(seq)
         drafted = candidates.tolist()
         adjusted = torch.stack([params.adjust(logits[start + k], out + drafted[1 : k + 1], stop_ids)
-                                for k in range(block_size)])
+                                for k in range(w)])
         verified = sample_tokens(adjusted, temperature, generator)
         acc = accept_block(candidates[None], verified[None])
         n = int(acc.commit_len[0])

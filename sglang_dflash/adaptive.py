@@ -1,0 +1,115 @@
+"""Which verify width a step should use: the most committed tokens per second of step time.
+
+A step at width w verifies the bonus and the first w - 1 drafts; width 1 is a plain decode step
+(no draft pass). It commits on average ``1 + sum_{k<w} p_1 ... p_k`` tokens, where p_k is the
+chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`), and it
+costs the step time at that width and batch size (:class:`StepCosts`, measured while serving).
+:class:`WidthPolicy` picks the width with the best ratio, trying every width once per batch-size
+bucket before trusting its cost, and verifying at full width now and then so the acceptance of
+the deeper positions stays current. Changing width never changes a token (the reference loop's
+``width`` argument; ``tests/test_adaptive.py``): only how many candidates are checked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+
+def candidate_widths(block_size: int) -> tuple[int, ...]:
+    """block_size, block_size/2, ..., 2, 1."""
+    widths, w = [], block_size
+    while w > 1:
+        widths.append(w)
+        w //= 2
+    return tuple(widths) + (1,)
+
+
+def bucket(bs: int) -> int:
+    """Batch sizes grouped by the next power of two (as CUDA graphs are captured)."""
+    return 1 << max(0, bs - 1).bit_length()
+
+
+class AcceptanceByPosition:
+    """Running conditional acceptance per drafted position, decayed so it follows the workload."""
+
+    def __init__(self, block_size: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
+        self.block_size, self.decay = block_size, decay
+        self.prior, self.prior_weight = prior, prior_weight  # pseudo-counts: a position never seen has `prior`
+        self.accepted = [0.0] * block_size  # index k: draft k (1-based; 0 unused)
+        self.tested = [0.0] * block_size
+
+    def update(self, accept_lens: Sequence[int], width: int) -> None:
+        """One step's accepted-draft counts (bonus excluded), one per request, at ``width``."""
+        for k in range(1, self.block_size):
+            self.accepted[k] *= self.decay
+            self.tested[k] *= self.decay
+        for a in accept_lens:
+            for k in range(1, min(a + 1, width - 1) + 1):  # drafts 1..a+1 were judged (while < width)
+                self.tested[k] += 1
+                self.accepted[k] += k <= a
+
+    def rate(self, k: int) -> float:
+        return (self.accepted[k] + self.prior * self.prior_weight) / (self.tested[k] + self.prior_weight)
+
+    def expected_tokens(self, width: int) -> float:
+        """Mean tokens a step at ``width`` commits, the bonus included."""
+        total, run = 1.0, 1.0
+        for k in range(1, width):
+            run *= self.rate(k)
+            total += run
+        return total
+
+
+class StepCosts:
+    """Step seconds by (width, batch-size bucket): a running mean of what was measured."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def observe(self, width: int, bs: int, seconds: float) -> None:
+        key = (width, bucket(bs))
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def estimate(self, width: int, bs: int) -> Optional[float]:
+        return self.seconds.get((width, bucket(bs)))
+
+
+class WidthPolicy:
+    """Per step: the width with the most expected tokens per second at this batch size."""
+
+    def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 32):
+        self.widths = tuple(widths or candidate_widths(block_size))
+        if max(self.widths) > block_size or min(self.widths) < 1:
+            raise ValueError(f"widths must lie in 1..{block_size}, got {self.widths}")
+        self.acceptance = AcceptanceByPosition(block_size)
+        self.costs = StepCosts()
+        self.refresh_every = refresh_every
+        self.steps = 0
+        self.used: Counter = Counter()
+
+    def throughput(self, width: int, bs: int) -> Optional[float]:
+        seconds = self.costs.estimate(width, bs)
+        return None if seconds is None else self.acceptance.expected_tokens(width) / seconds
+
+    def choose(self, bs: int) -> int:
+        self.steps += 1
+        untried = [w for w in self.widths if self.costs.estimate(w, bs) is None]
+        if untried:
+            width = untried[0]
+        elif self.steps % self.refresh_every == 0:
+            width = max(self.widths)  # the deeper positions' acceptance is only seen at full width
+        else:
+            width = max(self.widths, key=lambda w: self.throughput(w, bs))
+        self.used[width] += 1
+        return width
+
+    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: float) -> None:
+        self.costs.observe(width, bs, seconds)
+        if width > 1:
+            self.acceptance.update(accept_lens, width)
+
+    def widths_used(self) -> dict[int, int]:
+        return dict(sorted(self.used.items(), reverse=True))

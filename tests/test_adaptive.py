@@ -1,0 +1,110 @@
+"""Adaptive verify width: switching width never changes a token, and the policy picks the width
+with the most committed tokens per second of step time."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_dflash.adaptive import AcceptanceByPosition, WidthPolicy, bucket, candidate_widths
+from sglang_dflash.reference import (
+    RequestParams,
+    TinyTarget,
+    TinyTargetConfig,
+    speculative_generate,
+    target_generate,
+)
+
+torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("params", [RequestParams(), RequestParams(frequency_penalty=0.7, min_new_tokens=10)])
+@torch.no_grad()
+def test_any_width_schedule_gives_plain_decodings_tokens(params):
+    """Widths drawn at random per step (1 = a plain step, no draft) over B = 8: the same tokens as
+    plain decoding, with stops and the budget inside blocks, while both wide and plain steps run."""
+    target = TinyTarget(TinyTargetConfig(vocab_size=64, logit_scale=8.0), seed=0).eval()
+    rng = random.Random(5)
+    widths_seen = set()
+    for i in range(6):
+        prompt = [rng.randrange(60) for _ in range(rng.randrange(3, 10))]
+        plain = target_generate(target, prompt, 30)
+        stop = [plain[len(plain) // 2]]
+        truth = target_generate(target, prompt, 30, stop_ids=stop, params=params)
+
+        def propose(features, block, start, truth=truth, prompt=prompt):
+            k = start - len(prompt) + 1
+            return torch.tensor([truth[k + j] if k + j < len(truth) and rng.random() > 0.2 else 1
+                                 for j in range(block.shape[0] - 1)])
+
+        schedule = [rng.choice(candidate_widths(8)) for _ in range(64)]
+        got = speculative_generate(target, propose, prompt, 30, 8, 63, (1, 3, 4), stop_ids=stop, params=params,
+                                   width=lambda step, schedule=schedule: schedule[step])
+        assert got.tokens == truth
+        assert all(n <= schedule[s] for s, n in enumerate(got.accept_lengths))
+        widths_seen |= {schedule[s] for s in range(len(got.accept_lengths))}
+    assert 1 in widths_seen and 8 in widths_seen
+
+
+def test_widths_and_buckets():
+    assert candidate_widths(16) == (16, 8, 4, 2, 1) and candidate_widths(4) == (4, 2, 1)
+    assert [bucket(b) for b in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
+    with pytest.raises(ValueError, match="widths must lie in 1..8"):
+        WidthPolicy(8, widths=(16, 1))
+
+
+def test_acceptance_by_position_learns_each_positions_rate_and_the_expected_tokens():
+    """Drafts accepted with chance 0.9, 0.9, 0.5, then 0.1: the estimates find them, and a step of
+    width w commits 1 + p1 + p1 p2 + ... tokens."""
+    truth = [None, 0.9, 0.9, 0.5, 0.1, 0.1, 0.1, 0.1]
+    rng = random.Random(0)
+    acc = AcceptanceByPosition(8, decay=1.0)
+    for _ in range(4000):
+        a = 0
+        while a < 7 and rng.random() < truth[a + 1]:
+            a += 1
+        acc.update([a], width=8)
+    for k in range(1, 5):
+        assert acc.rate(k) == pytest.approx(truth[k], abs=0.05), k
+    assert acc.expected_tokens(1) == 1.0
+    assert acc.expected_tokens(4) == pytest.approx(1 + 0.9 + 0.81 + 0.405, abs=0.05)
+    fresh = AcceptanceByPosition(4, decay=1.0)
+    fresh.update([1, 1], width=2)  # width 2 judges draft 1 only: draft 2 keeps its prior
+    assert fresh.tested[2] == 0 and fresh.rate(1) > 0.5 and fresh.rate(2) == 0.5
+
+
+def run_policy(policy, bs, p, cost, steps, rng):
+    for _ in range(steps):
+        w = policy.choose(bs)
+        lens = []
+        for _ in range(bs):
+            a = 0
+            while a < w - 1 and rng.random() < p:
+                a += 1
+            lens.append(a)
+        policy.record(w, bs, lens, cost(w, bs))
+
+
+@pytest.mark.parametrize("bs, p, best", [
+    (1, 0.8, 16),   # a step costs about the same at any width: verify everything
+    (64, 0.8, 4),   # compute-bound: a wide block costs more than the tokens it adds
+    (256, 0.5, 1),  # more so: plain decoding beats any speculation
+    (8, 0.02, 1),   # drafts almost never accepted: plain steps
+])
+def test_the_policy_settles_on_the_width_a_known_cost_model_calls_best(bs, p, best):
+    def cost(w, b):  # a fixed part, plus work that grows with the tokens verified (draft skipped at 1)
+        return 1.0 + (0.2 if w > 1 else 0.0) + 0.004 * b * w
+
+    expected = {w: sum(p ** k for k in range(w)) / cost(w, bs) for w in candidate_widths(16)}
+    assert max(expected, key=expected.get) == best  # the case means what its comment says
+    policy = WidthPolicy(16)
+    run_policy(policy, bs, p, cost, 600, random.Random(1))
+    used = policy.widths_used()
+    assert max(used, key=used.get) == best, used
+    assert set(used) == set(candidate_widths(16))  # every width was tried
+
+
+def test_the_deeper_positions_are_refreshed_at_full_width():
+    policy = WidthPolicy(8, refresh_every=10)
+    run_policy(policy, 4, 0.01, lambda w, b: 1.0 + 0.1 * w, 200, random.Random(2))
+    assert policy.widths_used()[8] >= 200 // 10
