@@ -273,6 +273,8 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     res = json.load(open(tmp_path / "results.json"))
     assert rc == 1 and [f["label"] for f in res["server_failures"]] == ["builtin"]  # the others still measured
     measured = [t for t in turns if "wave" in t and "warm-up" not in t]
+    first_timed = turns.index("ar wave 0")
+    assert {"ar gsm8k c1 compile", "plugin gsm8k c1 compile"} <= set(turns[:first_timed])  # built before timing
     assert measured == ["ar wave 0", "plugin wave 0", "plugin wave 1", "ar wave 1", "ar wave 2", "plugin wave 2"]
     rows = {r["label"]: r for r in res["rows"]}
     assert rows["ar"]["requests"] == rows["plugin"]["requests"] == 3

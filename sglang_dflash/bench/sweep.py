@@ -210,6 +210,15 @@ def warm_up(url: str, payloads: list[dict], conc: int, desc: str) -> None:
     run_requests(url, payloads[:conc], conc, desc=f"{desc} warm-up")
 
 
+def compile_every_level(url: str, label: str, datasets: dict, concurrencies: list[int]) -> None:
+    """One unmeasured wave at every level before anything is timed: each CUDA-graph size and JIT
+    kernel a level will use is built now, not inside a timed wave (flashinfer's JIT cache is shared
+    by every server on the machine, so a later server would otherwise find it warm)."""
+    for dataset, payloads in datasets.items():
+        for conc in concurrencies:
+            run_requests(url, payloads[:conc], conc, desc=f"{label} {dataset} c{conc} compile")
+
+
 def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list, wall: float) -> dict:
     row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
     # In workload order, so a request can be set beside another implementation's or a reference run's.
@@ -223,6 +232,7 @@ def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list
 
 
 def measure(url: str, spec: ServerSpec, datasets: dict, args) -> list[dict]:
+    compile_every_level(url, spec.label, datasets, args.concurrencies)
     rows = []
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
@@ -236,6 +246,8 @@ def measure(url: str, spec: ServerSpec, datasets: dict, args) -> list[dict]:
 def measure_interleaved(servers: list, datasets: dict, args) -> list[dict]:
     """Every level's requests in waves of ``concurrency``; for each wave every server runs it, the
     order rotating by one from wave to wave. Each server's figures add up its own waves."""
+    for server in servers:
+        compile_every_level(server.url, server.spec.label, datasets, args.concurrencies)
     rows = []
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
