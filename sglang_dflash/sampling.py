@@ -51,12 +51,11 @@ def penalize_block(
 
     # Every column, with the state before the block.
     seen = counts > 0
-    logits.sub_((p.frequency[:, None] * counts + p.presence[:, None] * seen)[:, None, :].to(logits.dtype))
+    logits.sub_((p.frequency[:, None] * counts + p.presence[:, None] * seen)[:, None, :])  # float32, as SGLang adds
     out_len = n_out[:, None] + 1 + torch.arange(B, device=logits.device)  # output length at position k
     banned = out_len < p.min_new_tokens[:, None]  # [bs, B]
     logits.masked_fill_(banned[:, :, None] & p.stop_mask[:, None, :], float("-inf"))
-    rep = p.repetition[:, None, None].to(logits.dtype)
-    logits.copy_(_scale_seen(logits, seen[:, None, :], rep))
+    logits.copy_(_scale_seen(logits, seen[:, None, :], p.repetition[:, None, None]))
 
     # The block's own columns: count of column m at position k = counts + occurrences in 0..k.
     same = candidates[:, :, None] == candidates[:, None, :]  # [i, m, n]
@@ -135,17 +134,22 @@ class OutputCounts:
         for req in wanted:
             self._fill(self.rows[req.rid][0], req)
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        # From pinned memory: a copy from pageable memory would wait for the stream (the overlap loop).
+        if torch.cuda.is_available() and torch.device(self.device).type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def _fill(self, row: int, req) -> None:
         sp, V = req.sampling_params, self.vocab_size
         output = torch.tensor(list(req.output_ids), dtype=torch.int64)
-        self.counts[row] = torch.bincount(output, minlength=V)[:V].to(self.device, non_blocking=True)
+        self.counts[row] = self._to_device(torch.bincount(output, minlength=V)[:V].float())
         self.n_out[row] = len(output)
         self.frequency[row], self.presence[row] = sp.frequency_penalty, sp.presence_penalty
         self.repetition[row], self.min_new_tokens[row] = sp.repetition_penalty, sp.min_new_tokens
-        stops = [t for t in self.stop_ids(req) if t is not None and 0 <= t < V]
-        self.stop_mask[row] = False
-        if stops:
-            self.stop_mask[row, stops] = True
+        stops = torch.zeros(V, dtype=torch.bool)
+        stops[[t for t in self.stop_ids(req) if t is not None and 0 <= t < V]] = True
+        self.stop_mask[row] = self._to_device(stops)
 
     def batch_rows(self, reqs) -> Optional[torch.Tensor]:
         """Each request's row (0: no penalty), or None when no request of the batch has one."""
@@ -158,7 +162,7 @@ class OutputCounts:
             found = [self.rows.get(req.rid, (0, None))[0] for req in reqs]
         if not any(found):
             return None
-        return torch.tensor(found, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._to_device(torch.tensor(found, dtype=torch.int64))
 
     def penalize(self, logits: torch.Tensor, candidates: torch.Tensor, rows: torch.Tensor) -> None:
         p = Penalties(self.frequency[rows], self.presence[rows], self.repetition[rows],
