@@ -91,3 +91,18 @@ def test_a_rig_sweep_reports_step_times_beside_the_floor(tmp_path, monkeypatch):
     assert "## Step time at scale: qwen3-8b, zero weights" in open(tmp_path / "out" / "report.md").read()
     recorded = json.loads(summary.read_text())["scale"]
     assert recorded["rig_random"] == {"kept": True} and recorded["rig_zero"]["steps"] == steps
+
+
+def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
+    from sglang_dflash.bench import profile_step
+
+    seen = []
+    monkeypatch.setattr(profile_step, "profile_impl", lambda spec, args, out: seen.append((spec, args)) or {
+        "trace_span_us_per_step": 1, "gpu_kernel_us_per_step": 1, "kernel_launches_per_step": 1})
+    assert profile_step.main(["--rig", "random", "--rig-dir", str(tmp_path), "--impls", "ar,plugin",
+                              "--output-dir", str(tmp_path / "out")]) == 0
+    (spec, args), _ = seen
+    assert spec.model_path.endswith("qwen3-8b/target") and spec.draft_model_path.endswith("qwen3-8b/draft")
+    assert spec.extra_args[-3:] == ["--skip-tokenizer-init", "--load-format", "dummy"]
+    with pytest.raises(SystemExit):
+        profile_step.main(["--output-dir", str(tmp_path / "out")])  # no model and no rig

@@ -9,6 +9,9 @@ worker call that launched each kernel, and where the host waited on the GPU.
 
     python -m sglang_dflash.bench.profile_step --model-path T --draft-model-path D --output-dir OUT \\
         [--impls plugin,builtin] [--wave]
+    python -m sglang_dflash.bench.profile_step --rig zero --impls ar,plugin,builtin --output-dir OUT
+
+``--rig zero|random`` profiles the benchmark's real-shape pair (no download; token-id prompts).
 
 The summary goes to OUT/profile_step.json, the raw traces to --trace-dir.
 """
@@ -26,6 +29,7 @@ import threading
 import time
 from collections import defaultdict
 
+from . import rig
 from .cli import comma_list, parser
 from .client import post_json, run_requests
 from .server import Server, ServerSpec, is_implementation
@@ -170,8 +174,11 @@ def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
     are traced over the same context lengths."""
     trace_dir = os.path.join(args.trace_dir, spec.label)
     os.makedirs(trace_dir, exist_ok=True)
-    payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
-                                                         "ignore_eos": True}}
+    if args.rig:
+        payload = rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.SHAPES[args.rig_shape].vocab)[0]
+    else:
+        payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
+                                                             "ignore_eos": True}}
     start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": True}
     wave = None
     with Server(spec, log_path=os.path.join(out_dir, f"server-{spec.label}.log"), timeout_s=600) as server:
@@ -206,8 +213,13 @@ def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
 
 def main(argv=None) -> int:
     ap = parser(__doc__, prog="python -m sglang_dflash.bench.profile_step")
-    ap.add_argument("--model-path", required=True, help="target model")
-    ap.add_argument("--draft-model-path", required=True, help="DFlash draft checkpoint")
+    ap.add_argument("--model-path", help="target model (required unless --rig)")
+    ap.add_argument("--draft-model-path", help="DFlash draft checkpoint (required unless --rig)")
+    ap.add_argument("--rig", choices=rig.MODES, help="no model: the benchmark's real-shape pair with zero "
+                                                     "(every draft accepted) or random (almost none) weights")
+    ap.add_argument("--rig-shape", choices=sorted(rig.SHAPES), default="qwen3-8b", help="the --rig target's shape")
+    ap.add_argument("--rig-dir", default="/tmp/dflash-rig", help="where --rig writes its checkpoints")
+    ap.add_argument("--rig-prompt-len", type=int, default=128, help="prompt tokens of a --rig request")
     ap.add_argument("--impls", default="plugin,builtin",
                     help="comma list of servers to profile in turn: plugin, builtin, ar, ngram or spec:NAME")
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight (wave mode: the wave)")
@@ -235,6 +247,14 @@ def main(argv=None) -> int:
         server_args = shlex.split(args.server_args)
     except ValueError as e:
         ap.error(f"--server-args: {e}")
+    if args.rig:
+        if args.model_path or args.draft_model_path:
+            ap.error("--rig writes its own target and draft: leave out --model-path and --draft-model-path")
+        args.model_path, args.draft_model_path = rig.write_rig(os.path.join(args.rig_dir, args.rig_shape),
+                                                               args.rig_shape)
+        server_args += rig.server_flags(args.rig)
+    elif not (args.model_path and args.draft_model_path):
+        ap.error("--model-path and --draft-model-path are required (unless --rig)")
     os.makedirs(args.output_dir, exist_ok=True)
     report = {"settings": vars(args)}
     for impl in impls:
