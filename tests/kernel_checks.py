@@ -85,3 +85,65 @@ def check_context_kv(device: str) -> None:
     # A wrong position must show: the comparison can fail.
     shifted, _ = fused(positions + 1)
     assert not torch.allclose(shifted[0], ref[0][0], atol=1e-2)
+
+
+def check_worker_steps_follow_plain_decoding(device: str) -> None:
+    """The worker's own accept step (request parameters per position, then the acceptance kernel)
+    and its output counts, step after step on the tiny target, for requests with different
+    penalties and min_new_tokens in one batch: each gets plain decoding's tokens."""
+    import random
+    from types import SimpleNamespace
+
+    from sglang_dflash.reference import RequestParams, TinyTarget, TinyTargetConfig, target_generate
+    from sglang_dflash.sampling import OutputCounts
+    from sglang_dflash.worker import DFlashWorker, DraftBlock, StepBuffers
+
+    target = TinyTarget(TinyTargetConfig(vocab_size=64, logit_scale=8.0), seed=0).eval()
+    rng, B, stops, max_new = random.Random(216), 8, [7], 28
+    params = [RequestParams(), RequestParams(repetition_penalty=1.6), RequestParams(frequency_penalty=0.9),
+              RequestParams(presence_penalty=2.0, min_new_tokens=16),
+              RequestParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.5, min_new_tokens=6)]
+    prompts = [[rng.randrange(60) for _ in range(rng.randrange(3, 10))] for _ in params]
+    with torch.no_grad():
+        truth = [target_generate(target, p, max_new, stop_ids=stops, params=q) for p, q in zip(prompts, params)]
+    worker = object.__new__(DFlashWorker)
+    worker.output_counts = OutputCounts(64, device, stop_ids=lambda req: stops)
+    reqs = [SimpleNamespace(rid=i, output_ids=[], finished=lambda: False, sampling_params=SimpleNamespace(
+        frequency_penalty=q.frequency_penalty, presence_penalty=q.presence_penalty,
+        repetition_penalty=q.repetition_penalty, min_new_tokens=q.min_new_tokens)) for i, q in enumerate(params)]
+    worker.output_counts.start(reqs)
+    for r, t in zip(reqs, truth):
+        r.output_ids.append(t[0])  # the prefill's token (SGLang's sampler, fresh penalizers)
+    bufs_pool, multi = StepBuffers(B, device), 0
+    info = SimpleNamespace(logit_bias=None, has_custom_logit_processor=False, is_all_greedy=True)
+    def done(r):
+        return stops[0] in r.output_ids or len(r.output_ids) >= max_new
+
+    while not all(done(r) for r in reqs):
+        live = [i for i, r in enumerate(reqs) if not done(r)]
+        batch = SimpleNamespace(reqs=[reqs[i] for i in live], sampling_info=info,
+                                seq_lens=torch.tensor([len(prompts[i]) + len(reqs[i].output_ids) - 1 for i in live],
+                                                      device=device))
+        cands, logits = [], []
+        for i in live:
+            out, k = reqs[i].output_ids, len(reqs[i].output_ids)
+            cand = [out[-1]] + [truth[i][k + j] if k + j < len(truth[i]) and rng.random() > 0.15 else 1
+                                for j in range(B - 1)]
+            with torch.no_grad():
+                logits.append(target(torch.tensor(prompts[i] + out[:-1] + cand))[0][-B:])
+            cands.append(cand)
+        bufs = bufs_pool.take(len(live), batch.seq_lens.dtype)
+        bufs["candidates"].copy_(torch.tensor(cands))
+        block = DraftBlock(bufs["candidates"], None, None, None)
+        rows = worker.output_counts.batch_rows(batch.reqs)
+        acc = DFlashWorker.accept_step(worker, batch, block, torch.cat(logits).to(device), bufs, rows)
+        worker.output_counts.commit(rows, block.candidates, acc.commit_len)
+        for j, i in enumerate(live):
+            n = int(acc.commit_len[j])
+            multi += n > 2
+            out = reqs[i].output_ids + acc.out_tokens[j, :n].tolist()
+            end = out.index(stops[0]) + 1 if stops[0] in out else len(out)
+            reqs[i].output_ids = out[: min(end, max_new)]
+    for r, t in zip(reqs, truth):
+        assert r.output_ids == t
+    assert multi > 5
