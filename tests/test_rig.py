@@ -75,11 +75,12 @@ def test_a_rig_sweep_reports_step_times_beside_the_floor(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "server_flags", lambda args: flags.append(real_server_flags(args)) or flags[-1])
     monkeypatch.setattr(ServerSpec, "command", command)
     summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"scale": {"rig_random": {"kept": True}}}))
+    earlier = {"backend": "fa3", "weights": "random", "steps": {}}
+    summary.write_text(json.dumps({"scale": {"runs": {"fa3/random": earlier}}}))
     rc = sweep.main(["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--impls", "ar,plugin",
                      "--num-prompts", "4", "--max-new-tokens", "24", "--rig-prompt-len", "16",
                      "--concurrencies", "1,2", "--output-dir", str(tmp_path / "out"), "--startup-timeout", "30",
-                     "--summary", str(summary)])
+                     "--server-args", "--attention-backend triton", "--summary", str(summary)])
     assert rc == 0
     assert os.path.isfile(tmp_path / "rig" / "qwen3-8b" / "draft" / "model.safetensors")
     assert "--skip-tokenizer-init" in flags[0] and "--load-format" not in flags[0]
@@ -90,7 +91,8 @@ def test_a_rig_sweep_reports_step_times_beside_the_floor(tmp_path, monkeypatch):
     assert steps["ar"]["1"]["over_ar"] == 1.0 and steps["plugin"]["1"]["over_ar"] > 1.5  # about 5 ms vs 1 ms a step
     assert "## Step time at scale: qwen3-8b, zero weights" in open(tmp_path / "out" / "report.md").read()
     recorded = json.loads(summary.read_text())["scale"]
-    assert recorded["rig_random"] == {"kept": True} and recorded["rig_zero"]["steps"] == steps
+    assert recorded["runs"]["fa3/random"] == earlier and recorded["runs"]["triton/zero"]["steps"] == steps
+    assert recorded["backends_run"] == ["fa3", "triton"] and recorded["floor_ratio_c1"] == scale["floor_ratio_c1"]
 
 
 def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):

@@ -361,8 +361,23 @@ def load_results(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
 
 def scale_section(args, rows: list[dict]) -> dict:
     block = args.block_sizes[0] or 16
-    return {"shape": args.rig_shape, "weights": args.rig, "block_size": block, "prompt_len": args.rig_prompt_len,
-            "max_new_tokens": args.max_new_tokens, **rig.floor_ratio(args.rig_shape, block), "steps": step_table(rows)}
+    return {"shape": args.rig_shape, "weights": args.rig, "backend": attention_backend(args), "block_size": block,
+            "prompt_len": args.rig_prompt_len, "max_new_tokens": args.max_new_tokens,
+            **rig.floor_ratio(args.rig_shape, block), "steps": step_table(rows)}
+
+
+def attention_backend(args) -> str:
+    """The backend the servers were asked for (flag or --server-args), else SGLang's default."""
+    flags = shlex.split(args.server_args)
+    given = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--attention-backend"]
+    return args.attention_backend or (given[-1] if given else "default")
+
+
+def merge_scale(current: dict, scale: dict) -> dict:
+    """summary.json's scale: one entry per backend and weights, the floor beside them."""
+    runs = {**current.get("runs", {}), f"{scale['backend']}/{scale['weights']}": scale}
+    return {"shape": scale["shape"], "floor_ratio_c1": scale["floor_ratio_c1"],
+            "backends_run": sorted({run["backend"] for run in runs.values()}), "runs": runs}
 
 
 def scale_report(scale: dict) -> str:
@@ -418,7 +433,7 @@ def main(argv=None) -> int:
         if comparison:
             updates["side_by_side"] = comparison
         if scale:
-            updates["scale"] = {**current_summary(args.summary).get("scale", {}), f"rig_{args.rig}": scale}
+            updates["scale"] = merge_scale(current_summary(args.summary).get("scale", {}), scale)
         update_summary(args.summary, updates)
     print(report)
     plot(rows, args.output_dir)  # after the report: whatever the plot meets, the report is out
