@@ -215,11 +215,7 @@ def main(argv=None) -> int:
     ap = parser(__doc__, prog="python -m sglang_dflash.bench.profile_step")
     ap.add_argument("--model-path", help="target model (required unless --rig)")
     ap.add_argument("--draft-model-path", help="DFlash draft checkpoint (required unless --rig)")
-    ap.add_argument("--rig", choices=rig.MODES, help="no model: the benchmark's real-shape pair with zero "
-                                                     "(every draft accepted) or random (almost none) weights")
-    ap.add_argument("--rig-shape", choices=sorted(rig.SHAPES), default="qwen3-8b", help="the --rig target's shape")
-    ap.add_argument("--rig-dir", default="/tmp/dflash-rig", help="where --rig writes its checkpoints")
-    ap.add_argument("--rig-prompt-len", type=int, default=128, help="prompt tokens of a --rig request")
+    rig.add_options(ap)
     ap.add_argument("--impls", default="plugin,builtin",
                     help="comma list of servers to profile in turn: plugin, builtin, ar, ngram or spec:NAME")
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight (wave mode: the wave)")
@@ -248,10 +244,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--server-args: {e}")
     if args.rig:
-        if args.model_path or args.draft_model_path:
-            ap.error("--rig writes its own target and draft: leave out --model-path and --draft-model-path")
-        args.model_path, args.draft_model_path = rig.write_rig(os.path.join(args.rig_dir, args.rig_shape),
-                                                               args.rig_shape)
+        rig.resolve_paths(ap, args)
+        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape)
         server_args += rig.server_flags(args.rig)
     elif not (args.model_path and args.draft_model_path):
         ap.error("--model-path and --draft-model-path are required (unless --rig)")

@@ -16,6 +16,7 @@ Requests are token ids (``--skip-tokenizer-init``; no tokenizer is written) with
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import struct
@@ -99,9 +100,7 @@ def write_sparse_safetensors(path: str, tensors: dict[str, tuple[int, ...]], dty
     itemsize = {"BF16": 2, "F16": 2, "F32": 4}[dtype]
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in tensors.items():
-        n = itemsize
-        for d in shape:
-            n *= d
+        n = itemsize * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -130,13 +129,7 @@ def write_rig(out_dir: str, shape: str = "qwen3-8b", block_size: int = 16) -> tu
 
 
 def tensor_bytes(tensors: dict[str, tuple[int, ...]], itemsize: int = 2) -> int:
-    total = 0
-    for shape in tensors.values():
-        n = itemsize
-        for d in shape:
-            n *= d
-        total += n
-    return total
+    return sum(itemsize * math.prod(shape) for shape in tensors.values())
 
 
 def floor_ratio(shape: str, block_size: int = 16) -> dict:
@@ -157,6 +150,25 @@ def rig_payloads(n: int, prompt_len: int, max_new_tokens: int, vocab: int = 1519
     return [{"input_ids": [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)],
              "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
             for _ in range(n)]
+
+
+def add_options(ap) -> None:
+    """The --rig options, for every command that can run on the rig."""
+    ap.add_argument("--rig", choices=MODES, help="no model: a real-shape pair with zero (tau = block size) "
+                                                 "or random (tau ~ 1) weights, token-id prompts")
+    ap.add_argument("--rig-shape", choices=sorted(SHAPES), default="qwen3-8b", help="the --rig target's shape")
+    ap.add_argument("--rig-dir", default="/tmp/dflash-rig", help="where --rig writes its checkpoints")
+    ap.add_argument("--rig-prompt-len", type=int, default=128, help="prompt tokens of a --rig request")
+
+
+def resolve_paths(ap, args) -> None:
+    """With --rig: check the options and point --model-path and --draft-model-path at the rig."""
+    if args.model_path or args.draft_model_path:
+        ap.error("--rig writes its own target and draft: leave out --model-path and --draft-model-path")
+    if args.rig_prompt_len < 1:
+        ap.error("--rig-prompt-len must be >= 1")
+    args.model_path = os.path.join(args.rig_dir, args.rig_shape, "target")
+    args.draft_model_path = os.path.join(args.rig_dir, args.rig_shape, "draft")
 
 
 def server_flags(mode: str) -> list[str]:

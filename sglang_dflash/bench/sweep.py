@@ -105,11 +105,7 @@ def build_parser():
     ap.add_argument("--tp-size", type=int, help="passed to every server (default: SGLang's)")
     ap.add_argument("--mem-fraction-static", type=float, help="passed to every server (default: SGLang's)")
     ap.add_argument("--server-args", default="", help="extra flags passed to every server, one string")
-    ap.add_argument("--rig", choices=rig.MODES, help="no model: a real-shape pair with zero (tau = block size) "
-                                                     "or random (tau ~ 1) weights, token-id prompts")
-    ap.add_argument("--rig-shape", choices=sorted(rig.SHAPES), default="qwen3-8b", help="the --rig target's shape")
-    ap.add_argument("--rig-dir", default="/tmp/dflash-rig", help="where --rig writes its checkpoints")
-    ap.add_argument("--rig-prompt-len", type=int, default=128, help="prompt tokens of a --rig request")
+    rig.add_options(ap)
     ap.add_argument("--interleave", action="store_true",
                     help="all servers up at once, taking turns wave by wave (give each a small KV pool: "
                          "--server-args '--max-total-tokens N')")
@@ -135,12 +131,7 @@ def parse_args(argv=None):
             ap.error(f"--from-results: no such file {missing[0]!r}")
         return args
     if args.rig:
-        if args.model_path or args.draft_model_path:
-            ap.error("--rig writes its own target and draft: leave out --model-path and --draft-model-path")
-        if args.rig_prompt_len < 1:
-            ap.error("--rig-prompt-len must be >= 1")
-        args.model_path = os.path.join(args.rig_dir, args.rig_shape, "target")
-        args.draft_model_path = os.path.join(args.rig_dir, args.rig_shape, "draft")
+        rig.resolve_paths(ap, args)
         args.datasets = f"rig-{args.rig}"
     if not args.model_path:
         ap.error("--model-path is required (unless --from-results)")
