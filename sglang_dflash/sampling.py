@@ -46,7 +46,8 @@ def penalize_block(
     position, with the counts that include the block's tokens before them.
     """
     bs, B, V = logits.shape
-    cols = candidates.to(torch.int64)[:, None, :].expand(bs, B, B)  # [i, k, m] = column of candidate m
+    ids = candidates.long()
+    cols = ids[:, None, :].expand(bs, B, B)  # [i, k, m] = column of candidate m
     raw = logits.gather(2, cols).float()
 
     # Every column, with the state before the block.
@@ -58,12 +59,12 @@ def penalize_block(
     logits.copy_(_scale_seen(logits, seen[:, None, :], p.repetition[:, None, None]))
 
     # The block's own columns: count of column m at position k = counts + occurrences in 0..k.
-    same = candidates[:, :, None] == candidates[:, None, :]  # [i, m, n]
+    same = ids[:, :, None] == ids[:, None, :]  # [i, m, n]
     upto = torch.ones(B, B, dtype=torch.bool, device=logits.device).tril()  # [k, n]: n <= k
     in_block = (same[:, None, :, :] & upto[None, :, None, :]).sum(-1)  # [i, k, m]
-    c = counts.gather(1, candidates.to(torch.int64))[:, None, :] + in_block
+    c = counts.gather(1, ids)[:, None, :] + in_block
     z = raw - p.frequency[:, None, None] * c - p.presence[:, None, None] * (c > 0)
-    stop = p.stop_mask.gather(1, candidates.to(torch.int64))[:, None, :]
+    stop = p.stop_mask.gather(1, ids)[:, None, :]
     z = z.masked_fill(banned[:, :, None] & stop, float("-inf"))
     z = _scale_seen(z, c > 0, p.repetition[:, None, None])
     logits.scatter_(2, cols, z.to(logits.dtype))  # a repeated column gets the same value each time
