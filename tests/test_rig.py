@@ -99,12 +99,24 @@ def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
     from sglang_dflash.bench import profile_step
 
     seen = []
-    monkeypatch.setattr(profile_step, "profile_impl", lambda spec, args, out: seen.append((spec, args)) or {
-        "trace_span_us_per_step": 1, "gpu_kernel_us_per_step": 1, "kernel_launches_per_step": 1})
+    figures = {"trace_span_us_per_step": 1, "gpu_kernel_us_per_step": 1, "kernel_launches_per_step": 1}
+
+    def fake_profile(spec, args, out, on_level):
+        seen.append((spec, args))
+        levels = {}
+        for conc in args.concurrency:  # one server, every level; the file is written after each
+            levels[f"c{conc}"] = figures
+            on_level(levels)
+
+    monkeypatch.setattr(profile_step, "profile_impl", fake_profile)
     assert profile_step.main(["--rig", "random", "--rig-dir", str(tmp_path), "--impls", "ar,plugin",
-                              "--output-dir", str(tmp_path / "out")]) == 0
+                              "--concurrency", "1,8", "--output-dir", str(tmp_path / "out")]) == 0
     (spec, args), _ = seen
     assert spec.model_path.endswith("qwen3-8b/target") and spec.draft_model_path.endswith("qwen3-8b/draft")
     assert spec.extra_args[-3:] == ["--skip-tokenizer-init", "--load-format", "dummy"]
+    written = json.load(open(tmp_path / "out" / "profile_step.json"))
+    assert set(written["ar"]) == set(written["plugin"]) == {"c1", "c8"}
+    with pytest.raises(SystemExit):
+        profile_step.main(["--output-dir", str(tmp_path / "out"), "--rig", "zero", "--concurrency", "1,x"])
     with pytest.raises(SystemExit):
         profile_step.main(["--output-dir", str(tmp_path / "out")])  # no model and no rig

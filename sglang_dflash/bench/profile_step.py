@@ -138,6 +138,37 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
     }
 
 
+# A decode step's phases, from the worker call that launched each kernel (plugin and built-in
+# names alike; first match wins). The built-in's target prefill and verify share one call site.
+PHASES = (
+    ("target verify", ("> sglang/srt/managers/tp_worker.py", "prepare_for_verify")),
+    ("draft forward", ("model_runner.py",)),
+    ("draft context K/V", ("context_kv", "project_target_hidden", "_append_target_hidden", "_write_layer_kv",
+                           "fused_kv_materialize", "norm_rope_split", "set_kv_buffer")),
+    ("draft lm_head (eager)", ("GreedyDraftHead", "__call__", "_greedy_sample_from")),
+    ("accept and commit", ("accept", "argmax", "apply_request_params", "commit", "penal")),
+    ("block set-up", ("prepare_block", "prepare_dflash_draft_block", "VocabParallelEmbedding", "draft_step")),
+)
+
+
+def phase_of(caller: str) -> str:
+    for phase, keys in PHASES:
+        if any(k in caller for k in keys):
+            return phase
+    return "other"
+
+
+def phase_table(level: dict) -> dict:
+    """GPU us per step by phase, plus the step's span and the GPU's idle time within it."""
+    phases = defaultdict(float)
+    for caller, us in level["gpu_us_per_step_by_caller"].items():
+        phases[phase_of(caller)] += us
+    out = {p: round(phases[p], 1) for p, _ in PHASES + (("other", ()),) if phases[p]}
+    out["GPU busy"] = level["gpu_kernel_us_per_step"]
+    out["GPU idle within the step"] = round(level["trace_span_us_per_step"] - level["gpu_kernel_us_per_step"], 1)
+    return out
+
+
 def keep_busy(url: str, payload: dict, concurrency: int, stop: threading.Event) -> threading.Thread:
     def loop():
         while not stop.is_set():
@@ -168,11 +199,22 @@ def worker_steps(events: list[dict]) -> int:
     )
 
 
-def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
-    """Steady mode: ``--steps`` steps caught mid-flight under constant load. Wave mode: one whole
-    wave of identical requests, from their prefill to their last token, so both implementations
-    are traced over the same context lengths."""
-    trace_dir = os.path.join(args.trace_dir, spec.label)
+def profile_impl(spec: ServerSpec, args, out_dir: str, on_level=None) -> dict:
+    """One server, traced at every ``--concurrency`` level in turn. Steady mode: ``--steps`` steps
+    caught mid-flight under constant load. Wave mode: one whole wave of identical requests, from
+    their prefill to their last token, so both implementations are traced over the same context
+    lengths. ``on_level(report)`` is called after each level (a cut-off run keeps what it traced)."""
+    report = {}
+    with Server(spec, log_path=os.path.join(out_dir, f"server-{spec.label}.log"), timeout_s=600) as server:
+        for conc in args.concurrency:
+            report[f"c{conc}"] = profile_level(server, spec, conc, args)
+            if on_level is not None:
+                on_level(report)
+    return report
+
+
+def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> dict:
+    trace_dir = os.path.join(args.trace_dir, spec.label, f"c{concurrency}")
     os.makedirs(trace_dir, exist_ok=True)
     if args.rig:
         payload = rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.SHAPES[args.rig_shape].vocab)[0]
@@ -181,22 +223,22 @@ def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
                                                              "ignore_eos": True}}
     start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": True}
     wave = None
-    with Server(spec, log_path=os.path.join(out_dir, f"server-{spec.label}.log"), timeout_s=600) as server:
-        if args.wave:
-            run_requests(server.url, [payload] * args.concurrency, args.concurrency, desc="warm-up")
-            post_json(server.url + "/start_profile", start)
-            results, wall_s = run_requests(server.url, [payload] * args.concurrency, args.concurrency, desc="wave")
-            post_json(server.url + "/stop_profile", {})
-            wave = summarize(results, wall_s)
-        else:
-            stop = threading.Event()
-            loader = keep_busy(server.url, payload, args.concurrency, stop)
-            time.sleep(args.settle_s)  # batch full, caches warm
-            post_json(server.url + "/start_profile", {**start, "num_steps": args.steps})
-        wait_for_trace(trace_dir)
-        if not args.wave:
-            stop.set()
-            loader.join(timeout=120)
+    batch = [payload] * concurrency
+    if args.wave:
+        run_requests(server.url, batch, concurrency, desc=f"c{concurrency} warm-up")
+        post_json(server.url + "/start_profile", start)
+        results, wall_s = run_requests(server.url, batch, concurrency, desc=f"c{concurrency} wave")
+        post_json(server.url + "/stop_profile", {})
+        wave = summarize(results, wall_s)
+    else:
+        stop = threading.Event()
+        loader = keep_busy(server.url, payload, concurrency, stop)
+        time.sleep(args.settle_s)  # batch full, caches warm
+        post_json(server.url + "/start_profile", {**start, "num_steps": args.steps})
+    wait_for_trace(trace_dir)
+    if not args.wave:
+        stop.set()
+        loader.join(timeout=120)
     traces = sorted(glob.glob(os.path.join(trace_dir, "*.json*")))
     if not traces:
         raise SystemExit(f"{spec.label}: no trace written to {trace_dir}")
@@ -205,6 +247,7 @@ def profile_impl(spec: ServerSpec, args, out_dir: str) -> dict:
     if not steps:
         raise SystemExit(f"{spec.label}: the trace holds no call of the speculative worker")
     report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
+    report["phases_us_per_step"] = phase_table(report)
     if wave is not None:
         report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
                                                "accept_length", "wall_s", "output_tok_s")}
@@ -218,7 +261,8 @@ def main(argv=None) -> int:
     rig.add_options(ap)
     ap.add_argument("--impls", default="plugin,builtin",
                     help="comma list of servers to profile in turn: plugin, builtin, ar, ngram or spec:NAME")
-    ap.add_argument("--concurrency", type=int, default=32, help="requests in flight (wave mode: the wave)")
+    ap.add_argument("--concurrency", default="32",
+                    help="comma list of requests in flight (wave mode: the wave), each traced on the same server")
     ap.add_argument("--steps", type=int, default=30, help="steady mode: steps to trace")
     ap.add_argument("--wave", action="store_true",
                     help="trace one whole wave of --concurrency requests instead of --steps steps mid-flight")
@@ -237,7 +281,11 @@ def main(argv=None) -> int:
     unknown = [impl for impl in impls if not is_implementation(impl)]
     if unknown or not impls:
         ap.error(f"--impls: unknown implementations {unknown}" if unknown else "--impls: name at least one")
-    if args.concurrency < 1 or args.steps < 1 or args.max_new_tokens < 1 or args.settle_s < 0:
+    try:
+        args.concurrency = [int(c) for c in comma_list(args.concurrency)]
+    except ValueError:
+        ap.error("--concurrency: comma-separated integers")
+    if not args.concurrency or min(args.concurrency) < 1 or args.steps < 1 or args.max_new_tokens < 1 or args.settle_s < 0:
         ap.error("--concurrency, --steps and --max-new-tokens >= 1, --settle-s >= 0")
     try:
         server_args = shlex.split(args.server_args)
@@ -251,13 +299,18 @@ def main(argv=None) -> int:
         ap.error("--model-path and --draft-model-path are required (unless --rig)")
     os.makedirs(args.output_dir, exist_ok=True)
     report = {"settings": vars(args)}
+
+    def write(impl, levels):
+        report[impl] = levels
+        with open(os.path.join(args.output_dir, "profile_step.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        level, last = next(reversed(levels.items()))
+        print(json.dumps({impl: {level: {k: last[k] for k in ("trace_span_us_per_step", "gpu_kernel_us_per_step",
+                                                              "kernel_launches_per_step")}}}), flush=True)
+
     for impl in impls:
         spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, server_args)
-        report[impl] = profile_impl(spec, args, args.output_dir)
-        print(json.dumps({impl: {k: report[impl][k] for k in ("trace_span_us_per_step", "gpu_kernel_us_per_step",
-                                                               "kernel_launches_per_step")}}), flush=True)
-    with open(os.path.join(args.output_dir, "profile_step.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        profile_impl(spec, args, args.output_dir, on_level=lambda levels, impl=impl: write(impl, levels))
     return 0
 
 
