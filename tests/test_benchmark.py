@@ -15,6 +15,7 @@ from conftest import write_char_tokenizer
 
 from sglang_dflash.bench import cli, offline_accept_length, pool, profile_step, stress, sweep
 from sglang_dflash.bench import datasets as fd
+from sglang_dflash.bench import server as server_mod
 from sglang_dflash.train import __main__ as train_cli
 from sglang_dflash.train import plot as train_plot
 from sglang_dflash.bench.client import RequestResult, get_json
@@ -486,3 +487,60 @@ def test_scripts_and_lab_runbooks_answer_help():
     for tool in tools:
         done = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.strip(), (tool, done.stderr[-2000:])
+
+
+# ---- start-up on a shared GPU -------------------------------------------------------------------
+
+
+def test_a_server_that_cannot_start_is_reported_with_sglangs_reason_in_one_line(tmp_path, monkeypatch):
+    reason = ("ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.25. "
+              "Raise --mem-fraction-static above 0.302")
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [
+        sys.executable, "-c", f"print('Traceback (most recent call last):'); print('  File x'); print({reason!r}); "
+                              "print('[2026-11-24] Received sigquit'); raise SystemExit(1)"])
+    with pytest.raises(ServerError) as e:
+        Server(ServerSpec("plugin", "m", "d"), log_path=str(tmp_path / "log"), timeout_s=30).start()
+    assert str(e.value) == f"plugin server exited with code 1: {reason}"
+    assert server_mod.startup_reason("all well\n") == ""
+
+
+def test_memory_fraction_leaves_the_asked_kv_after_the_weights():
+    gib = 1 << 30
+    fraction = server_mod.memory_fraction(int(18.5e9), 80 * gib, 4 * gib)
+    assert fraction * 80 * gib - 18.5e9 >= 4 * gib > (fraction - 0.002) * 80 * gib - 18.5e9  # rounded up, barely
+    assert server_mod.memory_fraction(100 * gib, 80 * gib, gib) == 0.95  # does not fit: SGLang says so
+
+
+def test_interleaved_servers_are_sized_one_after_another_from_the_free_memory(tmp_path, monkeypatch):
+    """Three 8B-shape servers on an 80 GB GPU: each is sized from what the ones before it left."""
+    gib = 1 << 30
+    free = [80 * gib]
+    launched = []
+
+    def command(self, port):
+        fraction = float(self.extra_args[self.extra_args.index("--mem-fraction-static") + 1])
+        launched.append((self.impl, fraction, free[0]))
+        free[0] -= int(fraction * free[0]) + 2 * gib  # its static pool, then graphs and activations
+        return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if self.impl == "ar" else "4"]
+
+    monkeypatch.setattr(ServerSpec, "command", command)
+    monkeypatch.setattr(sweep, "gpu_free_bytes", lambda: free[0])
+    rc = sweep.main(["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--impls", "ar,plugin,builtin",
+                     "--interleave", "--num-prompts", "1", "--max-new-tokens", "4", "--concurrencies", "1",
+                     "--output-dir", str(tmp_path / "out"), "--startup-timeout", "30"])
+    assert rc == 0 and [impl for impl, _, _ in launched] == ["ar", "plugin", "builtin"]
+    target = server_mod.checkpoint_bytes(str(tmp_path / "rig" / "qwen3-8b" / "target"))
+    draft = server_mod.checkpoint_bytes(str(tmp_path / "rig" / "qwen3-8b" / "draft"))
+    assert target > 16e9 and draft > 1e9  # sparse files, their full size
+    for impl, fraction, free_then in launched:
+        weights = target + (draft if impl != "ar" else 0)
+        assert fraction * free_then - weights >= 4 * gib  # every pool holds the default 4 GiB of KV
+    assert free[0] > 0  # all three fit
+    # An explicit fraction is passed as it is, to every server.
+    launched.clear()
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: launched.append(self.extra_args) or [
+        sys.executable, FAKE, "--port", str(port)])
+    sweep.main(["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--impls", "ar,plugin", "--interleave",
+                "--num-prompts", "1", "--max-new-tokens", "4", "--concurrencies", "1", "--mem-fraction-static",
+                "0.3", "--output-dir", str(tmp_path / "out2"), "--startup-timeout", "30"])
+    assert [args.count("--mem-fraction-static") for args in launched] == [1, 1]

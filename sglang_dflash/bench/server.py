@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,8 +68,44 @@ class ServerSpec:
 
 class ServerError(RuntimeError):
     def __init__(self, message: str, log_tail: str = ""):
-        super().__init__(message)
+        reason = startup_reason(log_tail)
+        super().__init__(f"{message}: {reason}" if reason else message)
         self.log_tail = log_tail
+
+
+def startup_reason(log_tail: str) -> str:
+    """SGLang's own reason a server died, in one line: the last exception line of its log."""
+    lines = [line.strip() for line in log_tail.splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
+    return errors[-1] if errors else ""
+
+
+def checkpoint_bytes(path: Optional[str]) -> int:
+    """Bytes of a local checkpoint's weight files (0 for a hub id or no path)."""
+    if not path or not os.path.isdir(path):
+        return 0
+    return sum(os.path.getsize(f) for pattern in ("*.safetensors", "*.bin", "*.pt")
+               for f in glob.glob(os.path.join(path, pattern)))
+
+
+def gpu_free_bytes() -> Optional[int]:
+    """Free memory of the first GPU now, from nvidia-smi (no CUDA context in this process)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30)
+        return int(out.stdout.split()[0]) << 20 if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def memory_fraction(weights_bytes: int, free_bytes: int, kv_bytes: int) -> float:
+    """``--mem-fraction-static`` that leaves a server ``kv_bytes`` of KV pool after its weights.
+
+    SGLang (0.5.17 to 0.5.23 alike) sizes the pool as ``f x free_before_load - weights``, draft
+    included, and leaves the rest of what it found free to activations and CUDA graphs; a server
+    started after it sizes itself from what is free then. Rounded up, so the pool is never short.
+    """
+    return min(math.ceil(1000 * (weights_bytes + kv_bytes) / free_bytes) / 1000, 0.95)
 
 
 def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:

@@ -34,7 +34,10 @@ from .cli import comma_list, parser
 from .client import flush_cache, kv_loads, progress, run_requests, server_info
 from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
 from .report import markdown_report, plot, update_summary
-from .server import DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, cpu_slices, is_implementation
+from .server import (
+    DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, checkpoint_bytes, cpu_slices, gpu_free_bytes,
+    is_implementation, memory_fraction,
+)
 from .stats import add_speedups, side_by_side, step_table, summarize
 
 REPORT_SETTINGS = ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts")
@@ -103,7 +106,11 @@ def build_parser():
                          "each; empty: the draft's own block size")
     ap.add_argument("--attention-backend", help="passed to every server (default: SGLang's)")
     ap.add_argument("--tp-size", type=int, help="passed to every server (default: SGLang's)")
-    ap.add_argument("--mem-fraction-static", type=float, help="passed to every server (default: SGLang's)")
+    ap.add_argument("--mem-fraction-static", type=float,
+                    help="passed to every server (default: SGLang's; with --interleave, sized for each server "
+                         "from the GPU's free memory and its weights, see --kv-cache-gb)")
+    ap.add_argument("--kv-cache-gb", type=float, default=4.0,
+                    help="with --interleave and no --mem-fraction-static: the KV pool each server is sized for")
     ap.add_argument("--server-args", default="", help="extra flags passed to every server, one string")
     rig.add_options(ap)
     ap.add_argument("--interleave", action="store_true",
@@ -165,6 +172,8 @@ def parse_args(argv=None):
         ap.error("--tp-size must be >= 1")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         ap.error("--mem-fraction-static must be in (0, 1]")
+    if args.kv_cache_gb <= 0:
+        ap.error("--kv-cache-gb must be > 0")
     try:
         shlex.split(args.server_args)
     except ValueError as e:
@@ -322,9 +331,12 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         specs = [replace(spec, cpus=cpus) for spec, cpus in zip(specs, slices)]
         os.sched_setaffinity(0, client)
         print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)}", flush=True)
+    sized = "--mem-fraction-static" not in server_flags(args)
     with contextlib.ExitStack() as stack:
         servers = []
         for spec in specs:
+            if sized:
+                spec = with_memory_fraction(spec, args.kv_cache_gb)
             log = os.path.join(log_dir, f"server-{spec.label}.log")
             server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
             try:
@@ -336,6 +348,21 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
             servers.append(server)
         rows = measure_interleaved(servers, datasets, args) if servers else []
     return rows, failures
+
+
+def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float) -> ServerSpec:
+    """The spec with a ``--mem-fraction-static`` that fits its weights and ``kv_cache_gb`` of KV into
+    the memory free now: servers started one after another then all fit, on any release."""
+    free = gpu_free_bytes()
+    weights = checkpoint_bytes(spec.model_path)
+    if spec.impl in DFLASH_IMPLS:
+        weights += checkpoint_bytes(spec.draft_model_path)
+    if not free or not weights:
+        return spec
+    fraction = memory_fraction(weights, free, int(kv_cache_gb * (1 << 30)))
+    print(f"[{spec.label}] --mem-fraction-static {fraction} ({weights / 1e9:.1f} GB of weights, "
+          f"{kv_cache_gb:g} GiB of KV, {free / 1e9:.1f} GB free)", flush=True)
+    return replace(spec, extra_args=[*spec.extra_args, "--mem-fraction-static", str(fraction)])
 
 
 def load_results(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
