@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The 8B-shape rig (sparse checkpoints written on the spot, no download) on the GPU machine, once
+# the kit (and, for fa3, FA3's parts) is staged by lab/gpu_setup.sh:
+#   bash lab/gpu_rig.sh profile WEIGHTS BACKEND OUTDIR   step profile, plugin then built-in, c1/c8/c32
+#   bash lab/gpu_rig.sh bench WEIGHTS BACKEND OUTDIR     ar, plugin and built-in interleaved, c1/c8/c32
+# WEIGHTS: zero (every draft accepted) or random (tau ~ 1); BACKEND: fa3, triton or flashinfer.
+# SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES and
+# CONCURRENCIES override the defaults (ar,plugin,builtin; 8; 1,8,32).
+case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
+set -uo pipefail
+mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
+version=${SGLANG_VERSION:-0.5.23}
+cd "$(dirname "$0")/.."
+source lab/gpu_setup.sh "$version" || exit 1
+# Prefill graphs off (their capture takes minutes at this size); decode graphs up to bs 32.
+case $version in
+    0.5.17|0.5.18|0.5.19) graphs="--disable-piecewise-cuda-graph --cuda-graph-max-bs 32" ;;
+    *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode 32" ;;
+esac
+flags="--attention-backend $backend $graphs --log-level warning"
+concs=${CONCURRENCIES:-1,8,32}
+mkdir -p "$out"
+case $mode in
+    profile)
+        python3 -m sglang_dflash.bench.profile_step --rig "$weights" --impls "${IMPLS:-plugin,builtin}" \
+            --concurrency "$concs" --steps 20 --max-new-tokens 2048 --trace-dir /tmp/traces-$weights-$backend \
+            --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
+    bench)
+        python3 -m sglang_dflash.bench.sweep --rig "$weights" --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
+            --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-8}" --max-new-tokens 256 \
+            --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
+    *) echo "gpu_rig.sh: unknown mode $mode (profile or bench)" >&2; exit 2 ;;
+esac
