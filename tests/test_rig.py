@@ -75,8 +75,9 @@ def test_a_rig_sweep_reports_step_times_beside_the_floor(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "server_flags", lambda args: flags.append(real_server_flags(args)) or flags[-1])
     monkeypatch.setattr(ServerSpec, "command", command)
     summary = tmp_path / "summary.json"
-    earlier = {"backend": "fa3", "weights": "random", "steps": {}}
-    summary.write_text(json.dumps({"scale": {"runs": {"fa3/random": earlier}}}))
+    earlier = {"weights": "zero", "step_over_ar": {"plugin": {"c1": 1.3}}}
+    summary.write_text(json.dumps({"scale": {"0.5.17/fa3": earlier}}))
+    monkeypatch.setattr(sweep, "installed_sglang", lambda: "0.5.23")
     rc = sweep.main(["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--impls", "ar,plugin",
                      "--num-prompts", "4", "--max-new-tokens", "24", "--rig-prompt-len", "16",
                      "--concurrencies", "1,2", "--output-dir", str(tmp_path / "out"), "--startup-timeout", "30",
@@ -91,8 +92,13 @@ def test_a_rig_sweep_reports_step_times_beside_the_floor(tmp_path, monkeypatch):
     assert steps["ar"]["1"]["over_ar"] == 1.0 and steps["plugin"]["1"]["over_ar"] > 1.5  # about 5 ms vs 1 ms a step
     assert "## Step time at scale: qwen3-8b, zero weights" in open(tmp_path / "out" / "report.md").read()
     recorded = json.loads(summary.read_text())["scale"]
-    assert recorded["runs"]["fa3/random"] == earlier and recorded["runs"]["triton/zero"]["steps"] == steps
-    assert recorded["backends_run"] == ["fa3", "triton"] and recorded["floor_ratio_c1"] == scale["floor_ratio_c1"]
+    entry = recorded["0.5.23/triton"]
+    assert recorded["0.5.17/fa3"] == earlier and entry["weights"] == "zero"
+    assert entry["plugin_step_ms"] == {"c1": steps["plugin"]["1"]["step_ms"], "c2": steps["plugin"]["2"]["step_ms"]}
+    assert entry["step_over_ar"]["plugin"]["c1"] == steps["plugin"]["1"]["over_ar"]
+    assert "plugin_over_builtin" not in entry  # no built-in ran
+    assert recorded["step_ratio_c1"] == 1.3  # fa3 only: the newest release's
+    assert recorded["floor_ratio_c1"] == round(scale["floor_ratio_c1"], 3)
 
 
 def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
@@ -120,3 +126,34 @@ def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
         profile_step.main(["--output-dir", str(tmp_path / "out"), "--rig", "zero", "--concurrency", "1,x"])
     with pytest.raises(SystemExit):
         profile_step.main(["--output-dir", str(tmp_path / "out")])  # no model and no rig
+
+
+def test_a_rig_sweep_is_rebuilt_from_its_results_with_plugin_over_builtin(tmp_path, monkeypatch):
+    """--from-results brings back the rig settings, and the summary gets the paired-wave ratio."""
+    def row(label, conc, step_ms, waves):
+        return {"impl": label, "label": label, "dataset": "rig-zero", "concurrency": conc, "requests": 8, "errors": 0,
+                "output_tok_s": sum(waves) / len(waves), "accept_length": None if label == "ar" else 16.0,
+                "step_p50_ms": step_ms, "wave_tok_s": waves, "ttft_p50_ms": 60.0, "ttft_p99_ms": 80.0,
+                "tpot_p50_ms": step_ms / 16, "tpot_p99_ms": step_ms / 16}
+
+    settings = {"rig": "zero", "rig_shape": "qwen3-8b", "rig_prompt_len": 128, "block_sizes": [None],
+                "server_args": "--attention-backend fa3", "attention_backend": None, "max_new_tokens": 256,
+                "model_path": "t", "draft_model_path": "d", "temperature": 0.0, "thinking": False, "num_prompts": 8}
+    rows = [row("ar", 1, 6.7, [145.0] * 4), row("plugin", 1, 8.3, [1300.0, 1200, 1250, 1300]),
+            row("builtin", 1, 8.4, [1200.0, 1200, 1200, 1250])]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"settings": settings, "rows": rows, "server_failures": []}))
+    monkeypatch.setattr(sweep, "installed_sglang", lambda: "0.5.23")
+    summary = tmp_path / "summary.json"
+    assert sweep.main(["--from-results", str(results), "--output-dir", str(tmp_path / "out"),
+                       "--summary", str(summary)]) == 0
+    recorded = json.loads(summary.read_text())
+    assert set(recorded) == {"scale"}  # the headline benchmark is left as it was
+    scale = recorded["scale"]
+    entry = scale["0.5.23/fa3"]
+    assert entry["ar_step_ms"] == {"c1": 6.7} and entry["step_over_ar"]["builtin"] == {"c1": 1.254}
+    assert entry["plugin_over_builtin"]["c1"] == pytest.approx((1300 / 1200 * 1 * 1250 / 1200 * 1300 / 1250) ** 0.25,
+                                                               abs=1e-3)
+    lo, hi = entry["interval"]["c1"]
+    assert lo <= entry["plugin_over_builtin"]["c1"] <= hi
+    assert scale["step_ratio_c1"] == 1.239 and entry["evidence"].endswith("report.md")

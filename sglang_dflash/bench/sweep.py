@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
+import re
 import shlex
 import sys
 from dataclasses import replace
@@ -38,9 +40,11 @@ from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, checkpoint_bytes, cpu_slices, gpu_free_bytes,
     is_implementation, memory_fraction,
 )
-from .stats import add_speedups, side_by_side, step_table, summarize
+from .stats import add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize
 
 REPORT_SETTINGS = ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts")
+# What --from-results also takes from the first sweep's settings, to rebuild a --rig sweep's step table.
+RIG_SETTINGS = ("rig", "rig_shape", "rig_prompt_len", "block_sizes", "server_args", "attention_backend")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,11 +395,42 @@ def attention_backend(args) -> str:
     return args.attention_backend or (given[-1] if given else "default")
 
 
-def merge_scale(current: dict, scale: dict) -> dict:
-    """summary.json's scale: one entry per backend and weights, the floor beside them."""
-    runs = {**current.get("runs", {}), f"{scale['backend']}/{scale['weights']}": scale}
-    return {"shape": scale["shape"], "floor_ratio_c1": scale["floor_ratio_c1"],
-            "backends_run": sorted({run["backend"] for run in runs.values()}), "runs": runs}
+def installed_sglang() -> str:
+    """The SGLang release the servers run: the one installed beside this benchmark."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def scale_entry(scale: dict, rows: list[dict], evidence: str) -> dict:
+    """One release and backend in summary.json's scale: step times per level, each over AR's, and
+    plugin over built-in throughput from the paired waves with its 95% interval."""
+    steps = scale["steps"]
+    entry = {"weights": scale["weights"]}
+    for label in ("ar", "plugin", "builtin"):
+        if label in steps:
+            entry[f"{label}_step_ms"] = {f"c{c}": cell["step_ms"] for c, cell in steps[label].items()}
+    entry["step_over_ar"] = {label: {f"c{c}": cell["over_ar"] for c, cell in by_conc.items()}
+                             for label, by_conc in steps.items() if label != "ar"}
+    ratios = {c: paired_ratio_stats(r) for (_, c), r in paired_wave_ratios(rows).items() if r}
+    if ratios:
+        entry["plugin_over_builtin"] = {f"c{c}": round(st["geomean"], 3) for c, st in sorted(ratios.items())}
+        entry["interval"] = {f"c{c}": [round(x, 3) for x in st["ci95"]] for c, st in sorted(ratios.items())}
+    entry["evidence"] = evidence
+    return entry
+
+
+def merge_scale(current: dict, key: str, entry: dict, scale: dict) -> dict:
+    """summary.json's scale: one entry per release and backend (``0.5.23/fa3``; other weights than
+    zero add theirs: ``0.5.23/fa3/random``), the floor beside them, and the c1 step over AR's on
+    the newest release's fa3 with every draft accepted (``step_ratio_c1``)."""
+    merged = {**current, key: entry, "shape": scale["shape"], "floor_ratio_c1": round(scale["floor_ratio_c1"], 3)}
+    fa3 = [k for k in merged if k.endswith("/fa3") and isinstance(merged[k], dict)]
+    newest = max(fa3, key=lambda k: tuple(int(x) for x in re.findall(r"\d+", k.split("/")[0])), default=None)
+    if newest and "c1" in merged[newest].get("step_over_ar", {}).get("plugin", {}):
+        merged["step_ratio_c1"] = merged[newest]["step_over_ar"]["plugin"]["c1"]
+    return merged
 
 
 def scale_report(scale: dict) -> str:
@@ -427,7 +462,7 @@ def main(argv=None) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     if args.from_results:
         rows, failures, earlier = load_results(args.from_results)
-        for key in REPORT_SETTINGS:
+        for key in REPORT_SETTINGS + RIG_SETTINGS:
             setattr(args, key, earlier.get(key, getattr(args, key)))
         args.datasets = list(dict.fromkeys(r["dataset"] for r in rows))
         args.concurrencies = sorted({r["concurrency"] for r in rows})
@@ -450,8 +485,11 @@ def main(argv=None) -> int:
         comparison = side_by_side(rows)
         if comparison:
             updates["side_by_side"] = comparison
-        if scale:
-            updates["scale"] = merge_scale(current_summary(args.summary).get("scale", {}), scale)
+        if scale:  # the rig's figures go under scale alone: the headline benchmark is a real model's
+            updates = {}
+            key = f"{installed_sglang()}/{scale['backend']}" + ("" if scale["weights"] == "zero" else f"/{scale['weights']}")
+            entry = scale_entry(scale, rows, os.path.join(args.output_dir, "report.md"))
+            updates["scale"] = merge_scale(current_summary(args.summary).get("scale", {}), key, entry, scale)
         update_summary(args.summary, updates)
     print(report)
     plot(rows, args.output_dir)  # after the report: whatever the plot meets, the report is out
