@@ -1,9 +1,9 @@
 """GPU: plain decoding and the plugin's DFLASH on the tiny float32 pair, token for token.
 
 A lean cousin of tests/gpu/test_server_gpu.py for proving a new SGLang release on a tight GPU
-budget: both servers start at once, every prompt has one length (each new prompt shape costs the
-float32 Triton attention a ~20 s compile on SGLang 0.5.23), and the JSON is rewritten after each
-stage, so a run cut short still says how far it got.
+budget: the servers start one after the other, every prompt has one length (each new prompt shape
+costs the float32 Triton attention a ~20 s compile on SGLang 0.5.23), and the JSON is rewritten
+after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
 
@@ -79,8 +79,8 @@ def main():
     }
     greedy, stops = workload(args.prompts, args.new_tokens, vocab)
     try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.start(), servers.values()))
+        for server in servers.values():  # one after another: SGLang sizes its KV pool from the memory free
+            server.start()  # before and after its own load, which a neighbour's start would change under it
         save(stage="servers up")
         with ThreadPoolExecutor(2) as pool:
             outs = dict(zip(servers, pool.map(
