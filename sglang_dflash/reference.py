@@ -295,8 +295,13 @@ def truncate_at_stop(tokens: list[int], stop_ids: Sequence[int], max_new_tokens:
 
 @dataclass(frozen=True)
 class RequestParams:
-    """The per-token sampling parameters of a request, with SGLang's meaning (its penalizers in
-    overlap mode): additive penalties, then the repetition scaling, then the logit bias."""
+    """The per-token sampling parameters of a request, with SGLang's meaning: the additive
+    penalties summed, then the repetition scaling, then the logit bias. That is the order of the
+    penalties SGLang accumulates before a forward (``SamplingBatchInfo.update_penalties``: its
+    overlap scheduler and every speculative worker). Its plain decoding without the overlap
+    scheduler applies the penalizers one by one in the iteration order of a set of classes, which
+    changes from process to process: with repetition and frequency or presence penalties together,
+    that server is a reference only when its process happened to put repetition last."""
 
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -309,7 +314,8 @@ class RequestParams:
         z = logits.clone()
         counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=z.shape[-1])[: z.shape[-1]]
         seen = counts > 0
-        z = z - self.frequency_penalty * counts.to(z.dtype) - self.presence_penalty * seen.to(z.dtype)
+        # Summed first: SGLang adds them to the logits as one accumulated tensor (update_penalties).
+        z = z - (self.frequency_penalty * counts.to(z.dtype) + self.presence_penalty * seen.to(z.dtype))
         if len(generated) < self.min_new_tokens and len(stop_ids):
             z[list(stop_ids)] = float("-inf")
         if self.repetition_penalty != 1.0:

@@ -63,7 +63,8 @@ def penalize_block(
     upto = torch.ones(B, B, dtype=torch.bool, device=logits.device).tril()  # [k, n]: n <= k
     in_block = (same[:, None, :, :] & upto[None, :, None, :]).sum(-1)  # [i, k, m]
     c = counts.gather(1, ids)[:, None, :] + in_block
-    z = raw - p.frequency[:, None, None] * c - p.presence[:, None, None] * (c > 0)
+    # Summed before they are subtracted, as above and as SGLang accumulates its additive penalties.
+    z = raw - (p.frequency[:, None, None] * c + p.presence[:, None, None] * (c > 0))
     stop = p.stop_mask.gather(1, ids)[:, None, :]
     z = z.masked_fill(banned[:, :, None] & stop, float("-inf"))
     z = _scale_seen(z, c > 0, p.repetition[:, None, None])

@@ -6,9 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.srt.sampling import penaltylib
+from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
+from sglang_dflash import compat
 from sglang_dflash.reference import RequestParams, TinyTarget, TinyTargetConfig, accept_block, target_generate
 from sglang_dflash.sampling import OutputCounts, Penalties, penalize_block
+from sglang_dflash.worker import DFlashWorker
 
 torch.set_default_dtype(torch.float32)
 V = 12
@@ -187,3 +192,95 @@ def test_server_path_gives_plain_decodings_tokens_with_every_penalty(block_size)
     joins = [0, 0, 1, 1, 2, 3, 3]
     got = run_server_like(target, prompts, params, proposer, block_size, max_new, stop_ids, join_at=joins)
     assert got == truth
+
+
+# lab/request_params_matrix.py's "penalties_together" row.
+TOGETHER = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.3, min_new_tokens=8,
+                stop_token_ids={0})
+TOGETHER_BIAS = {7: 1.5}
+# The classes SGLang builds its orchestrator from, as a set (sampling_batch_info.py:276-285 in 0.5.23).
+ADDITIVE_THEN_REPETITION = [penaltylib.BatchedFrequencyPenalizer, penaltylib.BatchedMinNewTokensPenalizer,
+                            penaltylib.BatchedPresencePenalizer, penaltylib.BatchedRepetitionPenalizer]
+
+
+class FakeScheduleBatch:  # what the orchestrator reads of a ScheduleBatch while it prepares its penalizers
+    def __init__(self, reqs):
+        self.reqs, self.device = reqs, "cpu"
+
+
+def sglang_req(output_ids, **params):
+    sp = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0,
+              stop_token_ids=None)
+    sp.update(params)
+    tokenizer = SimpleNamespace(eos_token_id=11, additional_stop_token_ids={10})
+    return SimpleNamespace(rid="r", output_ids=list(output_ids), sampling_params=SimpleNamespace(**sp),
+                           eos_token_ids={9}, tokenizer=tokenizer, finished=lambda: False)
+
+
+def sglang_sampling_info(req, logit_bias, penalizers=ADDITIVE_THEN_REPETITION) -> SamplingBatchInfo:
+    """SGLang's own sampling info for one request about to decode after its ``output_ids``: the
+    penalizers advance by one token per decode step, as ``prepare_for_decode`` advances them."""
+    batch = FakeScheduleBatch([req])
+    orchestrator = BatchedPenalizerOrchestrator(V, batch, penalizers)
+    for token in req.output_ids:
+        orchestrator.cumulate_output_tokens(torch.tensor([token]))
+    bias = torch.zeros(1, V)
+    bias[0, list(logit_bias)] = torch.tensor(list(logit_bias.values()))
+    one = torch.ones(1)
+    return SamplingBatchInfo(
+        temperatures=one[:, None], top_ps=one, top_ks=one.int(), min_ps=0 * one, is_all_greedy=True,
+        is_any_greedy=True, need_top_p_sampling=False, need_top_k_sampling=False, need_min_p_sampling=False,
+        vocab_size=V, penalizer_orchestrator=orchestrator, logit_bias=bias, device="cpu",
+    )
+
+
+# SGLang compiles its repetition scaling; eager is the same arithmetic and spares a compile.
+@torch.compiler.set_stance("force_eager")
+def test_combined_parameters_equal_sglangs_own_sampling_info_at_every_position():
+    """The lab's combined row through the worker's apply_request_params, against SGLang's sampling
+    info on the path its overlap scheduler and speculative workers take (copy_for_forward: the
+    additive penalties accumulated in one tensor, then the repetition scaling, then the logit
+    bias), bit for bit. Token 7 is both biased and repetition-scaled; the stop ids (stop_token_ids,
+    the model's and the tokenizer's eos) are held back while the output is shorter than 8.
+    Counts stay below 6: SGLang adds 0.3 once per occurrence, which differs from 0.3 * count in
+    the last bit from there on."""
+    release = compat.running()
+    prior, candidates = [7, 3, 7, 5, 3], [3, 7, 2, 7, 4]  # position k follows 6 + k output tokens
+    raw = torch.randn(len(candidates), V, generator=torch.Generator().manual_seed(0)) * 3
+    req = sglang_req(prior, **TOGETHER)
+    counts = OutputCounts(V, "cpu", release.min_new_tokens_stop_ids)
+    counts.start([req])
+    got = raw.clone()[None]
+    DFlashWorker.apply_request_params(SimpleNamespace(output_counts=counts), got, torch.tensor([candidates]),
+                                      sglang_sampling_info(req, TOGETHER_BIAS), counts.batch_rows([req]))
+    params = RequestParams(1.2, 0.3, 0.3, 8, TOGETHER_BIAS)
+    for k in range(len(candidates)):
+        step = sglang_req(prior + candidates[: k + 1], **TOGETHER)
+        want = raw[k : k + 1].clone()
+        sglang_sampling_info(step, TOGETHER_BIAS).copy_for_forward().apply_logits_bias(want)
+        assert torch.equal(got[0, k], want[0]), k
+        stop_ids = sorted(release.min_new_tokens_stop_ids(step))
+        assert torch.equal(params.adjust(raw[k], step.output_ids, stop_ids), want[0]), k
+    stops = sorted(release.min_new_tokens_stop_ids(req))  # the model's eos 9 joins them from 0.5.19
+    assert {0, 10, 11} <= set(stops)
+    assert got[0, :2, stops].isneginf().all() and got[0, 2:, stops].isfinite().all()  # free from the 8th token
+
+
+@torch.compiler.set_stance("force_eager")
+def test_sglangs_sync_decoding_matches_only_with_repetition_applied_last():
+    """Without the overlap scheduler SGLang's plain decoding applies each penalizer in place, in the
+    order the orchestrator's dict takes from that set (orchestrator.py:23), which follows the
+    classes' addresses: it changes from one server process to the next. Repetition applied last
+    gives the accumulated order up to rounding; repetition first moves every seen token's logit."""
+    req = sglang_req([7, 3, 7, 5, 3, 2], **TOGETHER)
+    raw = torch.randn(1, V, generator=torch.Generator().manual_seed(1)) * 3
+    accumulated = raw.clone()
+    sglang_sampling_info(req, TOGETHER_BIAS).copy_for_forward().apply_logits_bias(accumulated)
+    repetition_last, repetition_first = raw.clone(), raw.clone()
+    sglang_sampling_info(req, TOGETHER_BIAS).apply_logits_bias(repetition_last)
+    sglang_sampling_info(req, TOGETHER_BIAS, ADDITIVE_THEN_REPETITION[-1:] + ADDITIVE_THEN_REPETITION[:-1]
+                         ).apply_logits_bias(repetition_first)
+    torch.testing.assert_close(repetition_last, accumulated)
+    seen, unseen = [2, 3, 5, 7], [1, 4, 6, 8]
+    assert torch.equal(repetition_first[0, unseen], accumulated[0, unseen])
+    assert ((repetition_first[0, seen] - accumulated[0, seen]).abs() > 0.01).all()
