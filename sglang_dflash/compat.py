@@ -148,6 +148,15 @@ class SGLangRelease:
             return getattr(get_spec(), name)
         return getattr(server_args, name)
 
+    def pd_role(self, args) -> Optional[str]:
+        """``prefill`` or ``decode`` on a PD-disaggregated server, else None. No release has the
+        plugin serving it yet: the decode role's first draft input is built by SGLang for its own
+        worker (0.5.23: ``build_dflash_disagg_draft_input``), so both roles go to the built-in."""
+        # A server-args field like the DP ones (0.5.23 declares it in an argument group, not in
+        # server_args.py); where it is missing the server is not disaggregated.
+        mode = getattr(args, "disaggregation_mode", None) or "null"
+        return None if mode == "null" else mode
+
     def dp_attention(self, args) -> bool:
         # From 0.5.22 `--dp-size N --enable-dp-attention` is a deprecated spelling of `--attn-dp-size N`.
         by_size = self.has("attn_dp_size") and (getattr(args, "attn_dp_size", None) or 1) > 1

@@ -455,7 +455,8 @@ def builtin_serves(server_args, release) -> Optional[str]:
     """Why SGLang's built-in DFLASH, not the plugin, serves this server; None if the plugin does.
 
     The plugin never takes away what the built-in serves: a draft architecture or variant it does
-    not implement, or DP attention on releases whose built-in has it.
+    not implement, DP attention on releases whose built-in has it, or either role of a
+    PD-disaggregated deployment.
     """
     view = release.resolving(server_args)
     path = getattr(view, "speculative_draft_model_path", None)
@@ -468,6 +469,9 @@ def builtin_serves(server_args, release) -> Optional[str]:
         return f"the draft uses {variant}, implemented by the built-in only"
     if release.has("builtin_dp_attention") and release.dp_attention(view):
         return "DP attention is served by the built-in only"
+    role = release.pd_role(view)
+    if role is not None:
+        return f"PD disaggregation (--disaggregation-mode {role}) is served by the built-in only"
     return None
 
 

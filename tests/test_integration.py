@@ -434,3 +434,20 @@ def test_dp_attention_goes_to_the_builtin_where_it_serves_it_else_one_line(tmp_p
         flag = "--attn-dp-size" if RELEASE.has("attn_dp_size") else "--enable-dp-attention"
         with pytest.raises(SystemExit, match=f"sglang-dflash: {flag}: sglang-dflash does not serve DFLASH with DP"):
             integration.handle_dflash_args_hook(seen.append, args)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_pd_disaggregated_server_goes_to_the_builtin_and_says_why(tmp_path, caplog, role):
+    """Either role of a PD deployment keeps SGLang's own DFLASH (the decode role's first draft input
+    is built by SGLang for its own worker): the args hook hands over to SGLang with one log line,
+    and the worker hook does not build the plugin's worker."""
+    args = server_args(tmp_path, disaggregation_mode=role)
+    seen = []
+    with caplog.at_level("WARNING", logger="sglang_dflash"):
+        integration.handle_dflash_args_hook(seen.append, args)
+    assert seen == [args]
+    said = [r.getMessage() for r in caplog.records if "built-in" in r.getMessage()]
+    assert said == [f"DFLASH is served by SGLang's built-in implementation: PD disaggregation "
+                    f"(--disaggregation-mode {role}) is served by the built-in only."]
+    assert integration.create_worker_hook(lambda self, a: "sglang's worker", _Dflash(), args) == "sglang's worker"
+    assert builtin_serves(server_args(tmp_path, disaggregation_mode="null"), RELEASE) is None
