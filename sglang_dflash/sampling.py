@@ -17,6 +17,14 @@ from typing import Callable, Iterable, Optional
 import torch
 
 
+def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor sent to ``device`` without waiting: from pinned memory, since a copy from
+    pageable memory first waits for the stream's queued work (the overlap loop must not)."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class Penalties:
     """Per-request parameters of one batch, rows aligned with the batch."""
@@ -137,10 +145,7 @@ class OutputCounts:
             self._fill(self.rows[req.rid][0], req)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        # From pinned memory: a copy from pageable memory would wait for the stream (the overlap loop).
-        if torch.cuda.is_available() and torch.device(self.device).type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return to_device_async(t, self.device)
 
     def _fill(self, row: int, req) -> None:
         sp, V = req.sampling_params, self.vocab_size

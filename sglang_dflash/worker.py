@@ -57,7 +57,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from . import compat
 from .config import DFlashConfigError, TargetInfo
 from .ops import accept_block, prepare_block
-from .sampling import OutputCounts
+from .sampling import OutputCounts, to_device_async
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -497,10 +497,10 @@ class DFlashWorker(BaseSpecWorker):
 
 def extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
     """Positions of a prefill's new tokens, request after request. Built on the host from the
-    scheduler's lists and sent without waiting: no GPU sync inside the overlap loop."""
+    scheduler's lists and sent from pinned memory: the host does not wait for the prefill."""
     ext, pre = torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(prefix_lens, dtype=torch.int64)
     shift = torch.repeat_interleave(torch.cumsum(ext, 0) - ext - pre, ext)
-    return (torch.arange(int(ext.sum())) - shift).to(device, non_blocking=True)
+    return to_device_async(torch.arange(int(ext.sum())) - shift, device)
 
 
 def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int) -> torch.Tensor:
