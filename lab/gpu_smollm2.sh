@@ -10,6 +10,7 @@
 #   runs carrying one kit or model part each:  source lab/gpu_setup.sh || true   (or any GPU test command)
 #   then, carrying .bench-data:             bash lab/gpu_smollm2.sh train      (regenerates, trains; again: resumes)
 #   or, carrying .bench-eval:               bash lab/gpu_smollm2.sh measure [IMPLS] | profile | extra
+#   (measure: BENCH_DATASETS=gsm8k narrows the sets; on 0.5.23 all three with three servers outrun one call)
 # The draft comes back in 15 MB parts: cat $files_at/draft.part* > results/smollm2-draft/model.safetensors
 case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -euo pipefail
@@ -26,7 +27,7 @@ bench() {  # bench IMPLS DRAFT OUTDIR CONCURRENCIES NUM_PROMPTS; INTERLEAVE=1: a
     # (PIN_CPUS=1 as well: each on its own CPUs)
     local mode=; [ -n "${INTERLEAVE:-}" ] && mode="--interleave${PIN_CPUS:+ --pin-cpus}"
     python3 benchmark_sglang.py --model-path $target --draft-model-path $2 --impls $1 $mode \
-        --datasets gsm8k,humaneval,mt-bench --data-dir $data --num-prompts $5 --max-new-tokens 256 \
+        --datasets ${BENCH_DATASETS:-gsm8k,humaneval,mt-bench} --data-dir $data --num-prompts $5 --max-new-tokens 256 \
         --concurrencies $4 --waves ${WAVES:-4} --server-args "$flags${mode:+ --max-total-tokens 65536}" \
         --output-dir "$out/$3" --log-dir /tmp/bench-logs --summary "$out/$3/summary.json"
 }
