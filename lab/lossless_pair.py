@@ -1,9 +1,9 @@
 """GPU: plain decoding and the plugin's DFLASH on the tiny float32 pair, token for token.
 
 A lean cousin of tests/gpu/test_server_gpu.py for proving a new SGLang release on a tight GPU
-budget: the servers start one after the other, every prompt has one length (each new prompt shape
-costs the float32 Triton attention a ~20 s compile on SGLang 0.5.23), and the JSON is rewritten
-after each stage, so a run cut short still says how far it got.
+budget: the servers start together, each with a fixed KV pool; every prompt has one length (each
+new prompt shape costs the float32 Triton attention a ~20 s compile on SGLang 0.5.23); and the JSON
+is rewritten after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
 
@@ -22,11 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
 from sglang_dflash.bench.client import kv_loads, run_requests
-from sglang_dflash.bench.server import Server, ServerSpec
+from sglang_dflash.bench.server import Server, ServerSpec, start_together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
-         "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
+         "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",
+         "--max-running-requests", "64",
          "--log-level", "warning", "--dtype", "float32"]
 # SGLang's CUDA rmsnorm has no float32 path; TF32 dots make AR disagree with itself (0.05 nats).
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
@@ -79,8 +80,7 @@ def main():
     }
     greedy, stops = workload(args.prompts, args.new_tokens, vocab)
     try:
-        for server in servers.values():  # one after another: SGLang sizes its KV pool from the memory free
-            server.start()  # before and after its own load, which a neighbour's start would change under it
+        start_together(list(servers.values()))  # fixed pools: neither start can shrink the other's
         save(stage="servers up")
         with ThreadPoolExecutor(2) as pool:
             outs = dict(zip(servers, pool.map(

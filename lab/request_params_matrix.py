@@ -4,8 +4,8 @@
                                         [--prompts 32] [--new-tokens 48] [--grammar xgrammar|none]
                                         [--rows plain,n,...,sampled]
 
-Servers, started one after another (SGLang sizes its KV pool from the memory free before and after
-its own load), float32 (IEEE dots, float32 norms), the same flags: ``ar`` (plain decoding, overlap
+Servers, started together, each with a fixed KV pool (``--max-total-tokens``) so a neighbour's start
+cannot shrink it, float32 (IEEE dots, float32 norms), the same flags: ``ar`` (plain decoding, overlap
 scheduler), ``ar-sync`` (plain decoding, ``--disable-overlap-schedule``, which updates penalties
 after every token; its penalizers in SGLang's accumulated order, see
 ``lab/ordered-penalizers/sitecustomize.py``) and each DFLASH implementation asked for. Every prompt
@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
 from sglang_dflash.bench.client import generate_stream, kv_loads, post_json
-from sglang_dflash.bench.server import Server, ServerSpec
+from sglang_dflash.bench.server import Server, ServerSpec, start_together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
@@ -49,10 +49,12 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 REGEX = r"[a-z]{2,8}( [a-z]{2,8}){2,5}\."
 
 
-def flags(grammar: str, mem: float) -> list[str]:
+def flags(grammar: str) -> list[str]:
+    # A fixed pool (--max-total-tokens) under a fraction that leaves room for three neighbours: the
+    # servers can start together without one's load shrinking another's pool (start_together).
     return ["--attention-backend", "triton", "--grammar-backend", grammar, "--disable-prefill-cuda-graph",
-            "--cuda-graph-max-bs-decode", "16", "--mem-fraction-static", str(mem), "--max-running-requests", "48",
-            "--log-level", "warning", "--dtype", "float32"]
+            "--cuda-graph-max-bs-decode", "16", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",
+            "--max-running-requests", "48", "--log-level", "warning", "--dtype", "float32"]
 
 
 def prompts_for(pair: str, target: str, n: int, length: int = 32) -> list[list[int]]:
@@ -197,13 +199,12 @@ def main() -> None:
         draft = args.draft or os.path.join(ROOT, "results", "smollm2-draft")
     impls = [i for i in args.impls.split(",") if i]
     names = ["ar", "ar-sync", *impls]
-    mem = round(0.85 / len(names), 2)
     specs = {
-        "ar": ServerSpec("ar", target, extra_args=flags(args.grammar, mem), extra_env=ENV),
-        "ar-sync": ServerSpec("ar", target, extra_args=flags(args.grammar, mem) + ["--disable-overlap-schedule"],
+        "ar": ServerSpec("ar", target, extra_args=flags(args.grammar), extra_env=ENV),
+        "ar-sync": ServerSpec("ar", target, extra_args=flags(args.grammar) + ["--disable-overlap-schedule"],
                               extra_env={**ENV, "PYTHONPATH": os.pathsep.join(
                                   filter(None, [ORDERED_PENALIZERS, os.environ.get("PYTHONPATH")]))}),
-        **{i: ServerSpec(i, target, draft, args.block, flags(args.grammar, mem), ENV) for i in impls},
+        **{i: ServerSpec(i, target, draft, args.block, flags(args.grammar), ENV) for i in impls},
     }
     servers = {n: Server(specs[n], log_path=os.path.join(args.out, f"server-{n}.log"), timeout_s=480) for n in names}
     record = {"sglang": compat.running().version, "pair": args.pair, "dtype": "float32", "block_size": args.block,
@@ -226,8 +227,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--rows: unknown rows {unknown}; the rows are {','.join(all_rows)}")
     try:
-        for server in servers.values():
-            server.start()
+        start_together(list(servers.values()))
         save(stage="servers up")
         # Stop strings from AR's own text, a few tokens in, so they land inside verify blocks.
         plain = run_row({"ar-sync": servers["ar-sync"]}, rows(prompts, args.new_tokens, False, {})["plain"])

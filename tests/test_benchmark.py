@@ -544,3 +544,18 @@ def test_interleaved_servers_are_sized_one_after_another_from_the_free_memory(tm
                 "--num-prompts", "1", "--max-new-tokens", "4", "--concurrencies", "1", "--mem-fraction-static",
                 "0.3", "--output-dir", str(tmp_path / "out2"), "--startup-timeout", "30"])
     assert [args.count("--mem-fraction-static") for args in launched] == [1, 1]
+
+
+def test_servers_start_together_only_with_fixed_pools_and_all_stop_when_one_fails(tmp_path, monkeypatch):
+    """A fixed pool makes a neighbour's start harmless; one failed start stops the others."""
+    with pytest.raises(ValueError, match="--max-total-tokens"):
+        server_mod.start_together([Server(ServerSpec("ar", "m"), log_path=str(tmp_path / "a"))])
+    fixed = ["--max-total-tokens", "4096"]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: (
+        sleeper if self.impl == "ar" else [sys.executable, "-c", "print('ValueError: no room'); raise SystemExit(1)"]))
+    healthy = Server(ServerSpec("ar", "m", extra_args=fixed), log_path=str(tmp_path / "ar"), timeout_s=30)
+    broken = Server(ServerSpec("plugin", "m", "d", extra_args=fixed), log_path=str(tmp_path / "p"), timeout_s=30)
+    with pytest.raises(ServerError, match="plugin server exited with code 1: ValueError: no room"):
+        server_mod.start_together([broken, healthy])
+    assert healthy.proc.poll() is not None  # launched with the other, then stopped, not left running

@@ -138,6 +138,7 @@ class Server:
         self.log_path = log_path or tempfile.mktemp(prefix=f"sglang-{spec.label}-", suffix=".log")
         self.timeout_s = timeout_s
         self.proc: Optional[subprocess.Popen] = None
+        self.deadline = 0.0
 
     def __enter__(self) -> "Server":
         self.start()
@@ -147,13 +148,20 @@ class Server:
         self.stop()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_healthy()
+
+    def launch(self) -> None:
+        """Start the process and return at once (:meth:`wait_healthy` waits for it)."""
         cpus = self.spec.cpus
         with open(self.log_path, "w") as log:  # the server keeps its own handle
             self.proc = subprocess.Popen(self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT,
                                          env=self.spec.env(), start_new_session=True,
                                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        deadline = time.time() + self.timeout_s
-        while time.time() < deadline:
+        self.deadline = time.time() + self.timeout_s
+
+    def wait_healthy(self) -> None:
+        while time.time() < self.deadline:
             if self.proc.poll() is not None:
                 raise ServerError(f"{self.spec.label} server exited with code {self.proc.returncode}", self.log_tail())
             try:
@@ -184,3 +192,26 @@ class Server:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""
+
+
+def start_together(servers: list[Server]) -> None:
+    """Launch every server at once and wait until all are healthy; on any failure stop them all.
+
+    Only for servers whose KV pool is fixed by ``--max-total-tokens`` under a ``--mem-fraction-static``
+    that leaves room for their neighbours: SGLang sizes the pool from the memory free before and after
+    its own load, so a neighbour's allocation during that window shrinks an unfixed pool (or fails the
+    start). Start-up then costs the slowest server, not the sum (float32 CUDA-graph capture compiles
+    Triton kernels for a minute or more on 0.5.23).
+    """
+    missing = [s.spec.label for s in servers if "--max-total-tokens" not in s.spec.extra_args]
+    if missing:
+        raise ValueError(f"start_together needs --max-total-tokens on every server (not on {missing})")
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_healthy()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
