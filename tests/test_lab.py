@@ -40,3 +40,37 @@ def test_the_reference_server_applies_repetition_after_the_additive_penalties(tm
     assert set(order.split(",")) == {"BatchedFrequencyPenalizer", "BatchedPresencePenalizer",
                                      "BatchedMinNewTokensPenalizer", "BatchedRepetitionPenalizer"}
     assert chained == "next sitecustomize ran: True"
+
+
+def load_matrix():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("request_params_matrix",
+                                                  os.path.join(ROOT, "lab", "request_params_matrix.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_matrix_measures_every_row_before_the_ones_that_crash_servers():
+    m = load_matrix()
+    order = m.row_order(list(m.rows([[1, 2, 3]], 8, True, {0: "ab"})))
+    assert order[-3:] == ["sampled", "n", "token_ids_logprob"]
+    assert {"plain", "penalties_together", "stop", "stream", "return_logprob", "json_schema", "regex"} <= set(order)
+
+
+def test_the_matrix_sampled_row_compares_each_position_not_only_whole_sequences():
+    from collections import Counter
+    m = load_matrix()
+    a = Counter({(1, 2, 3, 4): 1, (1, 2, 3, 5): 1, (1, 2, 3, 6): 1, (1, 2, 3, 7): 1})
+    b = Counter({(1, 2, 3, 8): 1, (1, 2, 3, 9): 1, (1, 2, 3, 10): 1, (1, 2, 3, 11): 1})
+    assert m.total_variation(a, b) == 1.0  # disjoint sequences
+    assert m.marginal_tv(a, b) == 1.0  # ... told apart by their last position alone
+    assert m.marginal_tv(a, Counter({(1, 2, 3, 4): 2, (1, 2, 3, 5): 2})) == 0.5
+    assert m.total_variation(a, Counter()) == 1.0  # a crashed server's empty sample
+
+
+def test_the_matrix_does_not_count_a_row_the_reference_failed():
+    m = load_matrix()
+    ok = [{"output_ids": [1, 2], "meta_info": {"finish_reason": "length"}}]
+    summary = m.compare({"ar-sync": [[{"error": "boom"}], ok], "plugin": [ok, ok]})
+    assert summary["reference_errors"] == 1 and summary["plugin"]["mismatches"] == 1
