@@ -559,3 +559,19 @@ def test_servers_start_together_only_with_fixed_pools_and_all_stop_when_one_fail
     with pytest.raises(ServerError, match="plugin server exited with code 1: ValueError: no room"):
         server_mod.start_together([broken, healthy])
     assert healthy.proc.poll() is not None  # launched with the other, then stopped, not left running
+
+
+def test_an_interleaved_sweep_keeps_each_finished_level_if_cut_off(tmp_path, chat_model, data_dir, monkeypatch):
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [sys.executable, FAKE, "--port", str(port)])
+    seen, run = {}, sweep.run_requests
+
+    def spy(url, work, conc, desc=""):
+        if desc == "ar gsm8k c2 warm-up":  # the second level begins: the first must be on disk
+            seen["rows"] = json.load(open(tmp_path / "results.json"))["rows"]
+        return run(url, work, conc, desc)
+
+    monkeypatch.setattr(sweep, "run_requests", spy)
+    assert sweep.main(["--model-path", chat_model, "--impls", "ar", "--interleave", "--datasets", "gsm8k",
+                       "--data-dir", data_dir, "--num-prompts", "2", "--concurrencies", "1,2",
+                       "--output-dir", str(tmp_path), "--startup-timeout", "30"]) == 0
+    assert [(r["label"], r["concurrency"]) for r in seen["rows"]] == [("ar", 1)]

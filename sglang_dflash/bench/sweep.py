@@ -247,9 +247,10 @@ def measure(url: str, spec: ServerSpec, datasets: dict, args) -> list[dict]:
     return rows
 
 
-def measure_interleaved(servers: list, datasets: dict, args) -> list[dict]:
+def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> list[dict]:
     """Every level's requests in waves of ``concurrency``; for each wave every server runs it, the
-    order rotating by one from wave to wave. Each server's figures add up its own waves."""
+    order rotating by one from wave to wave. Each server's figures add up its own waves.
+    ``on_level(rows)`` runs after each level (results.json then keeps what a cut-off run measured)."""
     for server in servers:
         compile_every_level(server.url, server.spec.label, datasets, args.concurrencies)
     rows = []
@@ -270,6 +271,8 @@ def measure_interleaved(servers: list, datasets: dict, args) -> list[dict]:
                 row = level_row(server.url, server.spec, dataset, conc, results, sum(wall for _, wall in runs))
                 row["wave_tok_s"] = [round(summarize(*run)["output_tok_s"], 1) for run in runs]
                 rows.append(row)
+            if on_level:
+                on_level(rows)
     return rows
 
 
@@ -350,7 +353,8 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
                 continue
             stack.callback(server.stop)
             servers.append(server)
-        rows = measure_interleaved(servers, datasets, args) if servers else []
+        rows = measure_interleaved(servers, datasets, args,
+                                   lambda rows: write_results(args, rows, failures)) if servers else []
     return rows, failures
 
 
