@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
 from sglang_dflash.bench.client import kv_loads, run_requests
-from sglang_dflash.bench.server import Server, ServerSpec, start_together
+from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
@@ -56,6 +56,7 @@ def main():
     parser.add_argument("--block", type=int, default=16, help="DFLASH block size (default 16)")
     parser.add_argument("--tiny-dir", default="/tmp/dflash-tiny", help="the tiny pair (made if absent)")
     args = parser.parse_args()
+    exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     if not os.path.exists(os.path.join(args.tiny_dir, "draft", "model.safetensors")):
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), args.tiny_dir],
@@ -87,8 +88,7 @@ def main():
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
                 servers.values())))
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(list(servers.values()))
     (ar_greedy, ar_stops, ar_kv), (dg, ds, dkv) = outs["ar"], outs["plugin"]
     greedy_div = [(i, first_divergence(a.output_ids, b.output_ids)) for i, (a, b) in enumerate(zip(ar_greedy, dg))]
     greedy_div = [(i, d) for i, d in greedy_div if d is not None]

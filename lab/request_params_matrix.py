@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
 from sglang_dflash.bench.client import generate_stream, kv_loads, post_json
-from sglang_dflash.bench.server import Server, ServerSpec, start_together, startup_reason
+from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all, startup_reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
@@ -212,6 +212,7 @@ def main() -> None:
                         help="comma list of rows to run (default: all, in the order above); rows already in "
                              "OUTDIR/matrix.json and not named stay as they are")
     args = parser.parse_args()
+    exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     if args.pair == "tiny":
         tiny = "/tmp/dflash-tiny"
@@ -285,8 +286,7 @@ def main() -> None:
             save(stage=f"row {name}")
         save(stage="rows done", kv_after={n: kv_loads(s.url) for n, s in servers.items() if n not in crashed})
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(list(servers.values()))
     # A row the reference itself failed measures nothing (SGLang 0.5.17's plain decoding crashes on
     # chosen-id logprobs): it is listed, not counted against anyone.
     measured = {n: r for n, r in record["rows"].items() if n == "sampled" or not r["reference_errors"]}

@@ -4,6 +4,7 @@ import glob
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -575,3 +576,31 @@ def test_an_interleaved_sweep_keeps_each_finished_level_if_cut_off(tmp_path, cha
                        "--data-dir", data_dir, "--num-prompts", "2", "--concurrencies", "1,2",
                        "--output-dir", str(tmp_path), "--startup-timeout", "30"]) == 0
     assert [(r["label"], r["concurrency"]) for r in seen["rows"]] == [("ar", 1)]
+
+
+def test_servers_stop_together_within_one_grace_window(tmp_path, monkeypatch):
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                      "print('up', flush=True); time.sleep(60)"]
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: stubborn)
+    servers = [Server(ServerSpec("ar", "m"), log_path=str(tmp_path / f"s{i}")) for i in range(3)]
+    for s in servers:
+        s.launch()
+    while not all("up" in s.log_tail() for s in servers):  # SIGTERM ignored from here on
+        time.sleep(0.05)
+    began = time.time()
+    server_mod.stop_all(servers, grace_s=2)
+    assert all(s.proc.poll() is not None for s in servers)
+    assert time.time() - began < 4  # one window of 2 s, not three after each other
+
+
+def test_a_killed_client_still_stops_its_servers(tmp_path):
+    """``timeout`` sends SIGTERM: the client's finally block must still run (servers live in their own session)."""
+    marker = tmp_path / "stopped"
+    code = ("import time, sglang_dflash.bench.server as s\n"
+            "s.exit_on_sigterm()\n"
+            "try:\n    print('ready', flush=True); time.sleep(60)\n"
+            f"finally:\n    open({str(marker)!r}, 'w').write('yes')\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    child.terminate()
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM and marker.read_text() == "yes"

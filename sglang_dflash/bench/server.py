@@ -173,13 +173,24 @@ class Server:
         self.stop()
         raise ServerError(f"{self.spec.label} server not healthy after {self.timeout_s:.0f}s", self.log_tail())
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def stop(self, grace_s: float = 30) -> None:
+        """SIGTERM (SGLang drains its requests), then SIGKILL after ``grace_s``."""
+        self.terminate()
+        self.reap(time.time() + grace_s)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, deadline: float) -> None:
+        if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
+            self.proc.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -212,6 +223,20 @@ def start_together(servers: list[Server]) -> None:
         for server in servers:
             server.wait_healthy()
     except BaseException:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
         raise
+
+
+def stop_all(servers: list[Server], grace_s: float = 30) -> None:
+    """Stop every server at once: one drain window for all, not one after another."""
+    for server in servers:
+        server.terminate()
+    deadline = time.time() + grace_s
+    for server in servers:
+        server.reap(deadline)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a scheduler) into SystemExit, so ``finally`` blocks stop the servers:
+    they run in sessions of their own and would otherwise outlive the killed client."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -38,7 +38,7 @@ from .datasets import add_dataset_options, load_dataset_prompts, problem_with_ca
 from .report import markdown_report, plot, update_summary
 from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, checkpoint_bytes, cpu_slices, gpu_free_bytes,
-    is_implementation, memory_fraction,
+    exit_on_sigterm, is_implementation, memory_fraction, stop_all,
 )
 from .stats import add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize
 
@@ -341,6 +341,7 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
     sized = "--mem-fraction-static" not in server_flags(args)
     with contextlib.ExitStack() as stack:
         servers = []
+        stack.callback(lambda: stop_all(servers))  # together: one drain window, not one per server
         for spec in specs:
             if sized:
                 spec = with_memory_fraction(spec, args.kv_cache_gb)
@@ -351,7 +352,6 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
             except ServerError as e:
                 failures.append(server_failure(spec, e))
                 continue
-            stack.callback(server.stop)
             servers.append(server)
         rows = measure_interleaved(servers, datasets, args,
                                    lambda rows: write_results(args, rows, failures)) if servers else []
@@ -463,6 +463,7 @@ def current_summary(path: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()  # a killed sweep still stops its servers
     os.makedirs(args.output_dir, exist_ok=True)
     if args.from_results:
         rows, failures, earlier = load_results(args.from_results)
