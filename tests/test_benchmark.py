@@ -604,3 +604,25 @@ def test_a_killed_client_still_stops_its_servers(tmp_path):
     assert child.stdout.readline().strip() == "ready"
     child.terminate()
     assert child.wait(timeout=30) == 128 + signal.SIGTERM and marker.read_text() == "yes"
+
+
+def test_a_sigterm_during_the_stop_waits_until_every_server_is_down(tmp_path):
+    slow = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
+            "time.sleep(60)\n")
+    code = ("import sys, sglang_dflash.bench.server as s\n"
+            "s.exit_on_sigterm()\n"
+            f"s.ServerSpec.command = lambda self, port: [sys.executable, '-c', {slow!r}]\n"
+            f"servers = [s.Server(s.ServerSpec('ar', 'm'), log_path={str(tmp_path)!r} + f'/s{{i}}') for i in range(2)]\n"
+            "[x.launch() for x in servers]\n"
+            "import time; time.sleep(1)\n"
+            "print(*[x.proc.pid for x in servers], flush=True)\n"
+            "s.stop_all(servers, grace_s=20)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in child.stdout.readline().split()]
+    time.sleep(0.3)  # inside stop_all: the servers are draining
+    child.terminate()
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in pids:  # reaped by the client before it exited, not left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -228,12 +230,31 @@ def start_together(servers: list[Server]) -> None:
 
 
 def stop_all(servers: list[Server], grace_s: float = 30) -> None:
-    """Stop every server at once: one drain window for all, not one after another."""
-    for server in servers:
-        server.terminate()
-    deadline = time.time() + grace_s
-    for server in servers:
-        server.reap(deadline)
+    """Stop every server at once: one drain window for all, not one after another. A SIGTERM that
+    comes meanwhile (``timeout``) waits until they are down instead of cutting the stop short."""
+    with sigterm_deferred():
+        for server in servers:
+            server.terminate()
+        deadline = time.time() + grace_s
+        for server in servers:
+            server.reap(deadline)
+
+
+@contextlib.contextmanager
+def sigterm_deferred():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if pending and callable(previous):
+            previous(pending[0], None)
+        elif pending and previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_on_sigterm() -> None:
