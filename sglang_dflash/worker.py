@@ -66,7 +66,7 @@ MASK_TOKEN = "<|MASK|>"
 
 @dataclass
 class DraftBlock:
-    candidates: torch.Tensor  # [bs, B]: last committed token, then B-1 drafts
+    candidates: torch.Tensor  # [bs, w]: last committed token, then w-1 drafts (w = B unless narrowed)
     positions: torch.Tensor  # [bs*B]
     cache_loc: torch.Tensor  # [bs, B] KV slots of the block positions
     seq_lens_bound: torch.Tensor  # host, [bs]: committed + B, what attention planning may assume
@@ -77,7 +77,7 @@ class Accepted:
     accept_len: torch.Tensor  # [bs] drafts accepted
     commit_len: torch.Tensor  # [bs] accept_len + 1 (the bonus)
     bonus: torch.Tensor  # [bs] next step's pending token
-    out_tokens: torch.Tensor  # [bs, B]: committed tokens first
+    out_tokens: torch.Tensor  # [bs, w]: committed tokens first
     new_seq_lens: torch.Tensor  # [bs]
 
 
@@ -88,17 +88,28 @@ class StepBuffers:
     while step N+1 is launched; step N+2 starts only after step N's results are processed.
     """
 
+    VERIFIED = ("candidates", "out_tokens")  # [bs, width]; the rest follow the block or the request
+
     def __init__(self, block_size: int, device):
         self.block_size, self.device = block_size, device
         self.sets: list[Optional[dict]] = [None, None]
         self.turn = 0
 
-    def take(self, bs: int, seq_dtype: torch.dtype) -> dict:
+    def take(self, bs: int, seq_dtype: torch.dtype, width: Optional[int] = None) -> dict:
+        """Views for ``bs`` requests. The block's own tensors are ``[bs, B]``; what the verify and
+        the accept step see (``candidates``, ``out_tokens``) is ``[bs, width]``, contiguous, so a
+        step that verifies only ``width`` positions passes its kernels dense rows."""
         self.turn ^= 1
         bufs = self.sets[self.turn]
         if bufs is None or bufs["cap"] < bs or bufs["new_seq_lens"].dtype != seq_dtype:
             bufs = self.sets[self.turn] = self._allocate(max(bs, 2 * (bufs or {"cap": 8})["cap"]), seq_dtype)
-        return {k: v[:bs] for k, v in bufs.items() if k != "cap"}
+        width = width or self.block_size
+        if not 1 <= width <= self.block_size:
+            raise ValueError(f"verify width {width} outside 1..{self.block_size}")
+        views = {k: v[:bs] for k, v in bufs.items() if k != "cap"}
+        for k in self.VERIFIED:
+            views[k] = bufs[k].view(-1)[: bs * width].view(bs, width)
+        return views
 
     def _allocate(self, cap: int, seq_dtype: torch.dtype) -> dict:
         B, dev = self.block_size, self.device

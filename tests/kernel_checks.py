@@ -91,6 +91,17 @@ def check_worker_steps_follow_plain_decoding(device: str) -> None:
     """The worker's own accept step (request parameters per position, then the acceptance kernel)
     and its output counts, step after step on the tiny target, for requests with different
     penalties and min_new_tokens in one batch: each gets plain decoding's tokens."""
+    worker_steps_follow_plain_decoding(device, widths=None)
+
+
+def check_worker_steps_at_changing_widths_follow_plain_decoding(device: str) -> None:
+    """The same with the verify width drawn anew every step from 8, 4, 2 and 1 (1: a plain decode
+    step, the last token alone): the accept step, the per-position penalties and the output counts
+    take any width, and a switch between two steps changes no token (adaptive width)."""
+    worker_steps_follow_plain_decoding(device, widths=(8, 4, 2, 1))
+
+
+def worker_steps_follow_plain_decoding(device: str, widths) -> None:
     import random
     from types import SimpleNamespace
 
@@ -114,7 +125,7 @@ def check_worker_steps_follow_plain_decoding(device: str) -> None:
     worker.output_counts.start(reqs)
     for r, t in zip(reqs, truth):
         r.output_ids.append(t[0])  # the prefill's token (SGLang's sampler, fresh penalizers)
-    bufs_pool, multi = StepBuffers(B, device), 0
+    bufs_pool, multi, used = StepBuffers(B, device), 0, set()
     info = SimpleNamespace(logit_bias=None, has_custom_logit_processor=False, is_all_greedy=True)
     def done(r):
         return stops[0] in r.output_ids or len(r.output_ids) >= max_new
@@ -124,15 +135,17 @@ def check_worker_steps_follow_plain_decoding(device: str) -> None:
         batch = SimpleNamespace(reqs=[reqs[i] for i in live], sampling_info=info,
                                 seq_lens=torch.tensor([len(prompts[i]) + len(reqs[i].output_ids) - 1 for i in live],
                                                       device=device))
+        w = rng.choice(widths) if widths else B
+        used.add(w)
         cands, logits = [], []
         for i in live:
             out, k = reqs[i].output_ids, len(reqs[i].output_ids)
             cand = [out[-1]] + [truth[i][k + j] if k + j < len(truth[i]) and rng.random() > 0.15 else 1
-                                for j in range(B - 1)]
+                                for j in range(w - 1)]
             with torch.no_grad():
-                logits.append(target(torch.tensor(prompts[i] + out[:-1] + cand))[0][-B:])
+                logits.append(target(torch.tensor(prompts[i] + out[:-1] + cand))[0][-w:])
             cands.append(cand)
-        bufs = bufs_pool.take(len(live), batch.seq_lens.dtype)
+        bufs = bufs_pool.take(len(live), batch.seq_lens.dtype, width=w)
         bufs["candidates"].copy_(torch.tensor(cands))
         block = DraftBlock(bufs["candidates"], None, None, None)
         rows = worker.output_counts.batch_rows(batch.reqs)
@@ -146,4 +159,4 @@ def check_worker_steps_follow_plain_decoding(device: str) -> None:
             reqs[i].output_ids = out[: min(end, max_new)]
     for r, t in zip(reqs, truth):
         assert r.output_ids == t
-    assert multi > 5
+    assert multi > 5 and used == set(widths or [B])

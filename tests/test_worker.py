@@ -33,6 +33,17 @@ def test_step_buffers_grow_with_the_batch_and_follow_the_seq_len_dtype():
     assert bufs.take(1, torch.int32)["new_seq_lens"].dtype == torch.int32
 
 
+def test_a_narrower_verify_gets_dense_rows_and_the_block_keeps_its_width():
+    bufs = StepBuffers(block_size=8, device="cpu")
+    narrow = bufs.take(3, torch.int64, width=2)
+    assert narrow["candidates"].shape == narrow["out_tokens"].shape == (3, 2)
+    assert narrow["candidates"].is_contiguous() and narrow["out_tokens"].is_contiguous()  # kernels read rows of 2
+    assert narrow["block_ids"].shape == narrow["positions"].shape == (3, 8)  # the draft still proposes 8
+    assert bufs.take(3, torch.int64)["candidates"].shape == (3, 8)
+    with pytest.raises(ValueError, match="outside 1..8"):
+        bufs.take(3, torch.int64, width=9)
+
+
 def test_prefill_positions_continue_each_requests_cached_prefix():
     got = extend_positions(prefix_lens=[0, 5, 2], extend_lens=[3, 2, 4], device="cpu")
     assert got.tolist() == [0, 1, 2, 5, 6, 2, 3, 4, 5]
