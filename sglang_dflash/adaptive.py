@@ -113,3 +113,30 @@ class WidthPolicy:
 
     def widths_used(self) -> dict[int, int]:
         return dict(sorted(self.used.items(), reverse=True))
+
+
+class CyclingWidths:
+    """Every step the next width in turn: no step shares its width with the one before, so a
+    lossless check crosses every switch. Same interface as :class:`WidthPolicy`."""
+
+    def __init__(self, widths: Sequence[int]):
+        self.widths = tuple(widths)
+        self.steps = 0
+        self.used: Counter = Counter()
+
+    def choose(self, bs: int) -> int:
+        width = self.widths[self.steps % len(self.widths)]
+        self.steps += 1
+        self.used[width] += 1
+        return width
+
+    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: float) -> None:
+        pass
+
+    def widths_used(self) -> dict[int, int]:
+        return dict(sorted(self.used.items(), reverse=True))
+
+
+def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):
+    """``throughput`` (:class:`WidthPolicy`) or ``cycle`` (:class:`CyclingWidths`)."""
+    return CyclingWidths(widths) if kind == "cycle" else WidthPolicy(block_size, widths)

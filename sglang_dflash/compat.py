@@ -193,6 +193,29 @@ class SGLangRelease:
 
         return get_exec().mamba.mamba_track_interval
 
+    def build_width_runners(self, model_runner, widths, capture: bool) -> dict:
+        """For each verify width: a target attention backend of its own and, with decode graphs
+        on, a graph runner captured at that width, as SGLang's adaptive EAGLE builds them. Each is
+        built while the resolved ``speculative_num_draft_tokens`` reads that width (FA3 and triton
+        fix the width when built), then the block is restored: the KV reserve reads it."""
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+        from sglang.srt.runtime_context import get_context, get_spec
+
+        block = get_spec().speculative_num_draft_tokens
+        pairs = {}
+        for width in widths:
+            get_context().override(SOURCE + ".verify_width", speculative_num_draft_tokens=width)
+            saved_workspace = model_runner.init_new_workspace
+            try:
+                backend = model_runner._get_attention_backend(init_new_workspace=True)
+                runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
+                                               speculative_num_draft_tokens=width) if capture else None
+            finally:
+                model_runner.init_new_workspace = saved_workspace
+                get_context().override(SOURCE + ".verify_width", speculative_num_draft_tokens=block)
+            pairs[width] = (backend, runner)
+        return pairs
+
     def bind_draft_plan(self, draft_model_runner, forward_batch) -> None:
         """The draft's hand-built ForwardBatch is its own iteration: give it its own KV plan."""
         if self.has("kv_loc_plan"):
@@ -295,6 +318,16 @@ class SGLangRelease:
             Symbol("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool.__init__",
                    ("size", "max_context_len", "device", "enable_memory_saver")),
             Symbol("sglang.srt.model_executor.cuda_graph_config", "Backend"),
+            # adaptive width (SGLANG_DFLASH_WIDTHS): a backend and a graph runner per width
+            Symbol("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner.__init__",
+                   ("model_runner", "attn_backend", "speculative_num_draft_tokens")),
+            Symbol("sglang.srt.model_executor.model_runner", "ModelRunner._get_attention_backend",
+                   ("init_new_workspace",)),
+            Symbol("sglang.srt.runtime_context", "get_context"),
+            Symbol("sglang.srt.runtime_context", "get_spec"),
+            Symbol("sglang.srt.runtime_context", "RuntimeContext.override", ("source",)),
+            Symbol(spec + "base_spec_worker", "BaseSpecWorker.on_verify_complete_cpu",
+                   ("num_correct_drafts_per_req", "batch_size")),
             Symbol("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
             Symbol("sglang.srt.model_executor.forward_batch_info", "ForwardMode"),
             Symbol("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.input_embeds"),

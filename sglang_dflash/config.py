@@ -19,6 +19,12 @@ IMPL_ENV = "SGLANG_DFLASH_IMPL"  # plugin (default) or builtin: SGLang's own DFL
 # For --dtype float32 servers (AR too): SGLang's CUDA rmsnorm and JIT q/k-norm have no float32 path.
 FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"  # 1 = float32 norms take SGLang's torch implementation
 FUSED_CONTEXT_KV_ENV = "SGLANG_DFLASH_FUSED_CONTEXT_KV"  # 0 = draft context K/V layer by layer (A/B runs)
+# Experimental, off unless set: the verify widths a step may choose ("auto": B, B/2, ..., 1; or a
+# list holding B, e.g. "16,4,1"), and how ("throughput", the default, or "cycle": the next width
+# every step, for lossless checks across switches).
+WIDTHS_ENV = "SGLANG_DFLASH_WIDTHS"
+WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
+WIDTH_POLICIES = ("throughput", "cycle")
 IMPLEMENTATIONS = ("plugin", "builtin")
 
 
@@ -35,6 +41,35 @@ def fp32_norms() -> bool:
 
 def fused_context_kv() -> bool:
     return os.environ.get(FUSED_CONTEXT_KV_ENV, "1") != "0"
+
+
+def verify_widths(block_size: int) -> tuple[int, ...]:
+    """The widths a step may verify, widest first; ``(block_size,)`` (a fixed block) unless
+    :data:`WIDTHS_ENV` asks for more."""
+    text = os.environ.get(WIDTHS_ENV, "").strip().lower()
+    if not text:
+        return (block_size,)
+    if text == "auto":
+        widths, w = [], block_size
+        while w > 1:
+            widths.append(w)
+            w //= 2
+        return tuple(widths) + (1,)
+    try:
+        widths = {int(w) for w in text.split(",") if w.strip()}
+    except ValueError:
+        raise DFlashConfigError(WIDTHS_ENV, f"{text!r} is not 'auto' or a comma list of widths") from None
+    if block_size not in widths or not all(1 <= w <= block_size for w in widths):
+        raise DFlashConfigError(WIDTHS_ENV, f"{text!r}: widths lie in 1..{block_size} and include {block_size} "
+                                            "(--speculative-num-draft-tokens)")
+    return tuple(sorted(widths, reverse=True))
+
+
+def width_policy_kind() -> str:
+    kind = os.environ.get(WIDTH_POLICY_ENV, "throughput").strip().lower() or "throughput"
+    if kind not in WIDTH_POLICIES:
+        raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of {', '.join(WIDTH_POLICIES)}")
+    return kind
 DEFAULT_BLOCK_SIZE = 16
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Buffers some HF exports carry along; they hold no trained weights.
@@ -49,8 +84,9 @@ class DFlashConfigError(ValueError):
         self.problem = problem
         self.source = source
         where = f" in {source}" if source else ""
-        # A flag is the user's own: name it alone; anything else lives in the draft checkpoint.
-        subject = "" if field_name.startswith("--") and not source else f"DFlash draft{where}: "
+        # A flag or switch is the user's own: name it alone; anything else lives in the draft checkpoint.
+        users_own = field_name.startswith(("--", "SGLANG_")) and not source  # a flag or a switch
+        subject = "" if users_own else f"DFlash draft{where}: "
         super().__init__(f"{subject}{field_name}: {problem}")
 
 
@@ -537,4 +573,6 @@ def validate_server_args(server_args, release) -> DFlashDraftConfig:
             f"must be an integer >= the block size {config.block_size} (the draft sees at least one block), "
             f"got {window!r}",
         )
+    verify_widths(config.block_size)  # the experimental switches, checked before any process starts
+    width_policy_kind()
     return config

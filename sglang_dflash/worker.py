@@ -20,6 +20,11 @@ Hybrid targets (gated delta net / mamba layers): the verify leaves the recurrent
 block step aside; :meth:`DFlashWorker.commit_recurrent_state` keeps the last committed step's and,
 with the radix cache's ``extra_buffer`` strategy, snapshots the step at a crossed track boundary.
 
+Verify width (experimental, ``SGLANG_DFLASH_WIDTHS``): a step may verify only the first w of the
+B candidates (w = 1: the bonus alone, no draft pass), on a target attention backend and verify
+graphs built for w (:meth:`DFlashWorker.target_at_width`). The width policy (``adaptive.py``)
+learns acceptance and step time from :meth:`DFlashWorker.on_verify_complete_cpu`.
+
 ``--speculative-draft-window-size W``: the draft attends to the last W committed positions only,
 through a request table of its own (:class:`DraftWindow`); the target still sees everything.
 
@@ -33,7 +38,9 @@ the scheduler, FutureMap and attention backends branch on their types.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,7 +62,8 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from . import compat
-from .config import DFlashConfigError, TargetInfo
+from .adaptive import make_width_policy
+from .config import DFlashConfigError, TargetInfo, verify_widths, width_policy_kind
 from .ops import accept_block, prepare_block
 from .sampling import OutputCounts, to_device_async
 
@@ -220,6 +228,13 @@ class DFlashWorker(BaseSpecWorker):
         self.buffers = StepBuffers(self.block_size, self.device)
         self.output_counts = OutputCounts(target_config.vocab_size, self.device, self.release.min_new_tokens_stop_ids)
         self.head_in_graph = False
+        self.widths = verify_widths(self.block_size)
+        self.width_policy = None  # a fixed block unless SGLANG_DFLASH_WIDTHS asks for more
+        if len(self.widths) > 1:
+            self._check_adaptive_width_serves(server_args)
+            self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
+        self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
+        self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
@@ -228,6 +243,14 @@ class DFlashWorker(BaseSpecWorker):
                 ",".join(sorted(set(self.config.layer_types))), list(self.config.target_layer_ids),
                 bundle.resolved_attention_backend,
             )
+
+    def _check_adaptive_width_serves(self, server_args) -> None:
+        """Adaptive width (experimental) runs where each rank may choose alone, on plain targets."""
+        if get_parallel().tp_size > 1 or self.release.dp_attention(server_args):
+            raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "needs --tp-size 1 without DP attention: each rank "
+                                                             "would time its steps and choose its own width")
+        if self.hybrid:
+            raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "not with a hybrid (recurrent) target yet")
 
     def _resolve_mask_token_id(self) -> int:
         if self.config.mask_token_id is not None:
@@ -286,6 +309,18 @@ class DFlashWorker(BaseSpecWorker):
         if self.head_in_graph:
             self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+        if self.width_policy is not None:
+            self._build_width_pairs(capture)
+
+    def _build_width_pairs(self, capture: bool) -> None:
+        """A target backend and verify graphs per narrower width. Without graphs FA3 cannot verify
+        a narrower block at all: its eager verify assumes the width it was built with."""
+        mr = self.model_runner
+        self.width_pairs = {self.block_size: (mr.attn_backend, mr.decode_cuda_graph_runner)}
+        self.width_pairs.update(self.release.build_width_runners(mr, self.widths[1:], capture))
+        if not capture and "FlashAttention" in type(mr.attn_backend).__name__:
+            raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "needs decode CUDA graphs with the fa3 backend")
+        logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
 
     # ---- one scheduler step ------------------------------------------------------------------
 
@@ -300,8 +335,11 @@ class DFlashWorker(BaseSpecWorker):
             return self._idle_result(on_publish)
 
         batch.seq_lens.record_stream(torch.cuda.current_stream())  # may come from the FutureMap stream
-        bufs = self.buffers.take(len(batch.seq_lens), batch.seq_lens.dtype)
-        block = self.draft_step(batch, bufs)
+        bs = len(batch.seq_lens)
+        width = self.width_policy.choose(bs) if self.width_policy is not None else self.block_size
+        started = self._step_event() if self.width_policy is not None else None
+        bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
+        block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
         logits_output, can_run_graph = self.verify_step(batch, block)
         if grammar_tree is not None:
@@ -316,22 +354,42 @@ class DFlashWorker(BaseSpecWorker):
         if penalty_rows is not None:
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
         if batch.return_logprob:
-            self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, self.block_size)
+            self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, width)
         if self.hybrid:
             self.commit_recurrent_state(batch, accepted)
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
         logits_output.hidden_states = None  # never copied to the host
+        if started is not None:
+            self.steps_in_flight.append((width, bs, started, self._step_event()))
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=accepted.out_tokens.reshape(-1),
             accept_lens=accepted.commit_len,
             can_run_cuda_graph=can_run_graph,
             next_draft_input=make_draft_input_v2(bonus_tokens=accepted.bonus, new_seq_lens=accepted.new_seq_lens),
-            speculative_num_draft_tokens=self.block_size,
+            speculative_num_draft_tokens=width,  # the row stride of next_token_ids
             new_seq_lens=accepted.new_seq_lens,
         )
+
+    @staticmethod
+    def _step_event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+        """The scheduler's word, in step order, that a step's accept lengths reached the host: the
+        width policy learns that step's acceptance and GPU time without a sync of its own."""
+        if self.width_policy is None or not self.steps_in_flight:
+            return
+        width, bs, started, ended = self.steps_in_flight.popleft()
+        if ended.query():
+            self.width_policy.record(width, bs, num_correct_drafts_per_req, started.elapsed_time(ended) / 1000)
+
+    def widths_used(self) -> dict[int, int]:
+        return self.width_policy.widths_used() if self.width_policy is not None else {self.block_size: 0}
 
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
@@ -350,16 +408,32 @@ class DFlashWorker(BaseSpecWorker):
         result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
 
-    def draft_step(self, batch, bufs: dict) -> DraftBlock:
-        """One parallel draft pass over ``[bonus, mask...]``; returns the B verify candidates."""
+    def draft_step(self, batch, bufs: dict, width: Optional[int] = None) -> DraftBlock:
+        """One parallel draft pass over ``[bonus, mask...]``; returns the first ``width`` (default
+        B) verify candidates. Width 1 is a plain decode step: the bonus alone, no draft pass."""
         bs, B = len(batch.seq_lens), self.block_size
+        width = width or B
         block_ids, positions, cache_loc = bufs["block_ids"], bufs["positions"], bufs["cache_loc"]
         prepare_block(
             batch.spec_info.bonus_tokens, batch.seq_lens, batch.req_pool_indices,
             self.model_runner.req_to_token_pool.req_to_token, self.mask_token_id, block_ids, positions, cache_loc,
         )
-        embeds = self.model_runner.model.get_input_embeddings()(block_ids).view(bs * B, -1)
         seq_lens_cpu = self._host_seq_lens_bound(batch)
+        candidates = bufs["candidates"]
+        candidates[:, :1].copy_(block_ids[:, :1])
+        if width == 1:
+            return DraftBlock(candidates, positions[:, :1].reshape(-1), cache_loc[:, :1].contiguous(), seq_lens_cpu)
+        drafts = self.run_draft(batch, block_ids, positions, cache_loc, seq_lens_cpu)
+        candidates[:, 1:].copy_(drafts.view(bs, B - 1)[:, : width - 1])
+        if width < B:
+            return DraftBlock(candidates, positions[:, :width].reshape(-1), cache_loc[:, :width].contiguous(),
+                              seq_lens_cpu)
+        return DraftBlock(candidates, positions.view(-1), cache_loc, seq_lens_cpu)
+
+    def run_draft(self, batch, block_ids, positions, cache_loc, seq_lens_cpu) -> torch.Tensor:
+        """The draft network over the whole block; its greedy tokens for the B-1 mask positions."""
+        bs, B = len(batch.seq_lens), self.block_size
+        embeds = self.model_runner.model.get_input_embeddings()(block_ids).view(bs * B, -1)
         draft_seq_lens, draft_seq_lens_cpu = batch.seq_lens, seq_lens_cpu
         if self.window is not None:
             draft_seq_lens = self.window.fill(
@@ -388,13 +462,8 @@ class DFlashWorker(BaseSpecWorker):
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
         if out.can_run_graph and self.head_in_graph:
-            drafts = self.draft_head.out[: bs * (B - 1)]
-        else:
-            drafts = self.draft_head(out.logits_output.hidden_states)
-        candidates = bufs["candidates"]
-        candidates[:, :1].copy_(block_ids[:, :1])
-        candidates[:, 1:].copy_(drafts.view(bs, B - 1))
-        return DraftBlock(candidates, positions.view(-1), cache_loc, seq_lens_cpu)
+            return self.draft_head.out[: bs * (B - 1)]
+        return self.draft_head(out.logits_output.hidden_states)
 
     def _host_seq_lens_bound(self, batch) -> torch.Tensor:
         """Host-side upper bound of each request's attended length (committed + one block)."""
@@ -406,10 +475,30 @@ class DFlashWorker(BaseSpecWorker):
         return (batch.seq_lens.cpu() + self.block_size).to(torch.int32)
 
     def verify_step(self, batch, block: DraftBlock):
-        """The target over the B candidates (causal, one pass); returns logits and hidden states."""
+        """The target over the block's candidates (causal, one pass); returns logits and hidden
+        states. A narrower block runs on that width's own attention backend and graphs."""
+        width = block.candidates.shape[1]
+        if width != self.block_size:
+            with self.target_at_width(width):
+                return self._verify(batch, block)
+        return self._verify(batch, block)
+
+    @contextlib.contextmanager
+    def target_at_width(self, width: int):
+        """The target's attention backend and verify graphs for ``width`` while the block runs
+        (both are read when the verify is planned), then the block's own again."""
+        mr = self.model_runner
+        saved = mr.attn_backend, mr.decode_cuda_graph_runner
+        mr.attn_backend, mr.decode_cuda_graph_runner = self.width_pairs[width]
+        try:
+            yield
+        finally:
+            mr.attn_backend, mr.decode_cuda_graph_runner = saved
+
+    def _verify(self, batch, block: DraftBlock):
         verify_input = DFlashVerifyInput(
             draft_token=block.candidates.view(-1), positions=block.positions,
-            draft_token_num=self.block_size, capture_hidden_mode=CaptureHiddenMode.FULL,
+            draft_token_num=block.candidates.shape[1], capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         batch.out_cache_loc = block.cache_loc.view(-1)
         if self.hybrid:  # the track slots, as the scheduler holds them now (filter/merge drop them)

@@ -108,3 +108,32 @@ def test_the_deeper_positions_are_refreshed_at_full_width():
     policy = WidthPolicy(8, refresh_every=10)
     run_policy(policy, 4, 0.01, lambda w, b: 1.0 + 0.1 * w, 200, random.Random(2))
     assert policy.widths_used()[8] >= 200 // 10
+
+
+def test_the_verify_widths_switch(monkeypatch):
+    from sglang_dflash.config import WIDTHS_ENV, DFlashConfigError, verify_widths, width_policy_kind
+
+    monkeypatch.delenv(WIDTHS_ENV, raising=False)
+    assert verify_widths(16) == (16,)  # unset: the fixed block of today
+    monkeypatch.setenv(WIDTHS_ENV, "auto")
+    assert verify_widths(16) == (16, 8, 4, 2, 1) and verify_widths(10) == (10, 5, 2, 1)
+    monkeypatch.setenv(WIDTHS_ENV, "1, 16,4")
+    assert verify_widths(16) == (16, 4, 1)
+    for bad in ("8,4", "16,17", "16,0", "wide"):
+        monkeypatch.setenv(WIDTHS_ENV, bad)
+        with pytest.raises(DFlashConfigError, match=r"^SGLANG_DFLASH_WIDTHS: "):
+            verify_widths(16)
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", "greedy")
+    with pytest.raises(DFlashConfigError, match="not one of throughput, cycle"):
+        width_policy_kind()
+
+
+def test_the_cycling_policy_changes_width_every_step():
+    from sglang_dflash.adaptive import CyclingWidths, WidthPolicy, make_width_policy
+
+    policy = make_width_policy("cycle", 16, (16, 4, 1))
+    chosen = [policy.choose(bs=3) for _ in range(7)]
+    assert chosen == [16, 4, 1, 16, 4, 1, 16] and isinstance(policy, CyclingWidths)
+    assert all(a != b for a, b in zip(chosen, chosen[1:]))
+    assert policy.widths_used() == {16: 3, 4: 2, 1: 2}
+    assert isinstance(make_width_policy("throughput", 16, (16, 8)), WidthPolicy)

@@ -123,6 +123,16 @@ def test_args_hook_exits_with_one_clear_line(tmp_path, overrides, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_bad_verify_widths_switch_stops_the_launch_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "8,4")
+    with pytest.raises(SystemExit) as e:
+        integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path))
+    assert str(e.value) == ("sglang-dflash: SGLANG_DFLASH_WIDTHS: '8,4': widths lie in 1..16 and include 16 "
+                            "(--speculative-num-draft-tokens)")
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "auto")
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "ok"))
+
+
 def test_hybrid_target_and_draft_window_pass_the_start_checks(tmp_path):
     target = write_target(str(tmp_path / "t"), layer_types=["linear_attention", "full_attention"] * 4)
     args = server_args(tmp_path, model_path=target, speculative_draft_window_size=1024)

@@ -245,3 +245,87 @@ def test_logprobs_of_the_committed_tokens_come_from_their_own_verify_rows():
     torch.testing.assert_close(torch.stack([torch.as_tensor(v) for v in top_val[:B]]), best.values)
     ids_val = out.next_token_token_ids_logprobs_val
     torch.testing.assert_close(torch.stack([torch.as_tensor(v) for v in ids_val[B:]]), logprobs[B:, [1, 5]])
+
+
+# ---- adaptive width (SGLANG_DFLASH_WIDTHS): the worker's side on the CPU -------------------------
+
+
+def narrow_worker(monkeypatch, B=8):
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker
+
+    def prepare_block(bonus, prefix_lens, req_pool_indices, req_to_token, mask_id, block_ids, positions, cache_loc):
+        offs = torch.arange(block_ids.shape[1])
+        block_ids.fill_(mask_id)
+        block_ids[:, 0] = bonus
+        positions.copy_(prefix_lens[:, None] + offs)
+        cache_loc.copy_(req_to_token[req_pool_indices[:, None], positions])
+
+    monkeypatch.setattr(worker_mod, "prepare_block", prepare_block)
+    worker = object.__new__(DFlashWorker)
+    worker.block_size, worker.mask_token_id, worker.window = B, 99, None
+    worker.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
+        req_to_token=torch.arange(4 * 64).view(4, 64) + 1000))
+    worker.draft_calls = 0
+
+    def run_draft(batch, block_ids, positions, cache_loc, seq_lens_cpu):
+        worker.draft_calls += 1
+        return torch.arange(1, B).repeat(block_ids.shape[0]) + 10 * torch.arange(block_ids.shape[0]).repeat_interleave(B - 1)
+
+    worker.run_draft = run_draft
+    batch = SimpleNamespace(seq_lens=torch.tensor([5, 9]), seq_lens_cpu=torch.tensor([5, 9]),
+                            req_pool_indices=torch.tensor([2, 0]),
+                            spec_info=SimpleNamespace(bonus_tokens=torch.tensor([7, 8])))
+    return worker, batch
+
+
+@pytest.mark.parametrize("width", [8, 4, 1])
+def test_a_narrower_step_verifies_the_first_candidates_at_their_own_positions_and_slots(monkeypatch, width):
+    from sglang_dflash.worker import DFlashWorker
+
+    worker, batch = narrow_worker(monkeypatch)
+    block = DFlashWorker.draft_step(worker, batch, StepBuffers(8, "cpu").take(2, torch.int64, width), width)
+    expected = [[7, 1, 2, 3, 4, 5, 6, 7], [8, 11, 12, 13, 14, 15, 16, 17]]
+    assert block.candidates.tolist() == [row[:width] for row in expected]
+    assert block.positions.tolist() == [5 + i for i in range(width)] + [9 + i for i in range(width)]
+    assert block.cache_loc.tolist() == [[1000 + 2 * 64 + 5 + i for i in range(width)], [1000 + 9 + i for i in range(width)]]
+    assert block.cache_loc.is_contiguous() and block.seq_lens_bound.tolist() == [13, 17]
+    assert worker.draft_calls == (width > 1)  # width 1 is a plain decode step: no draft pass
+
+
+def test_the_target_runs_a_narrower_block_on_that_widths_backend_and_graphs_then_its_own_again():
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.model_runner = SimpleNamespace(attn_backend="b16", decode_cuda_graph_runner="g16")
+    worker.width_pairs = {4: ("b4", "g4")}
+    with DFlashWorker.target_at_width(worker, 4):
+        assert (worker.model_runner.attn_backend, worker.model_runner.decode_cuda_graph_runner) == ("b4", "g4")
+    with pytest.raises(RuntimeError), DFlashWorker.target_at_width(worker, 4):
+        raise RuntimeError("a failed verify")
+    assert (worker.model_runner.attn_backend, worker.model_runner.decode_cuda_graph_runner) == ("b16", "g16")
+
+
+def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_host():
+    from collections import deque
+
+    from sglang_dflash.worker import DFlashWorker
+
+    class Event:
+        def __init__(self, t, done=True):
+            self.t, self.done = t, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    seen = []
+    worker = object.__new__(DFlashWorker)
+    worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a))
+    worker.steps_in_flight = deque([(8, 2, Event(0.0), Event(12.0)), (1, 2, Event(0.0), Event(3.0, done=False))])
+    DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)
+    DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time recorded
+    DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # nothing in flight (a prefill's)
+    assert seen == [(8, 2, [3, 0], 0.012)] and not worker.steps_in_flight
