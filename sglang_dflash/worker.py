@@ -70,6 +70,7 @@ from .sampling import OutputCounts, to_device_async
 logger = logging.getLogger("sglang_dflash")
 
 MASK_TOKEN = "<|MASK|>"
+WIDTHS_LOG_EVERY = 2000  # decode steps between two log lines of the verify widths used (adaptive width)
 
 
 @dataclass
@@ -387,6 +388,9 @@ class DFlashWorker(BaseSpecWorker):
         width, bs, started, ended = self.steps_in_flight.popleft()
         if ended.query():
             self.width_policy.record(width, bs, num_correct_drafts_per_req, started.elapsed_time(ended) / 1000)
+        if self.width_policy.steps % WIDTHS_LOG_EVERY == 0:
+            logger.info("DFLASH verify widths used in %d decode steps: %s", self.width_policy.steps,
+                        ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()))
 
     def widths_used(self) -> dict[int, int]:
         return self.width_policy.widths_used() if self.width_policy is not None else {self.block_size: 0}

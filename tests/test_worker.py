@@ -323,9 +323,29 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
 
     seen = []
     worker = object.__new__(DFlashWorker)
-    worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a))
+    worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
     worker.steps_in_flight = deque([(8, 2, Event(0.0), Event(12.0)), (1, 2, Event(0.0), Event(3.0, done=False))])
     DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time recorded
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # nothing in flight (a prefill's)
     assert seen == [(8, 2, [3, 0], 0.012)] and not worker.steps_in_flight
+
+
+def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
+    from collections import deque
+
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.adaptive import CyclingWidths
+    from sglang_dflash.worker import DFlashWorker
+
+    monkeypatch.setattr(worker_mod, "WIDTHS_LOG_EVERY", 4)
+    worker = object.__new__(DFlashWorker)
+    worker.width_policy, worker.steps_in_flight = CyclingWidths((16, 4, 1)), deque()
+    done = SimpleNamespace(query=lambda: False)
+    with caplog.at_level("INFO", logger="sglang_dflash"):
+        for _ in range(8):
+            worker.steps_in_flight.append((worker.width_policy.choose(2), 2, done, done))
+            DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "DFLASH verify widths used in 4 decode steps: 16: 2, 4: 1, 1: 1",
+        "DFLASH verify widths used in 8 decode steps: 16: 3, 4: 3, 1: 2"]
