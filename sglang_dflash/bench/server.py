@@ -133,8 +133,9 @@ class Server:
     """A launched ``sglang.launch_server`` process; a context manager that always stops it."""
 
     def __init__(self, spec: ServerSpec, port: Optional[int] = None, log_path: Optional[str] = None,
-                 timeout_s: float = 900):
+                 timeout_s: float = 900, health_path: str = "/health_generate"):
         self.spec = spec
+        self.health_path = health_path  # a PD prefill server cannot answer /health_generate alone
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or tempfile.mktemp(prefix=f"sglang-{spec.label}-", suffix=".log")
@@ -167,7 +168,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise ServerError(f"{self.spec.label} server exited with code {self.proc.returncode}", self.log_tail())
             try:
-                if get_json(self.url + "/health_generate", timeout=5) is not None:
+                if get_json(self.url + self.health_path, timeout=5) is not None:
                     return
             except OSError:
                 pass
