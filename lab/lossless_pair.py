@@ -6,6 +6,7 @@ new prompt shape costs the float32 Triton attention a ~20 s compile on SGLang 0.
 is rewritten after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
+                                [--widths auto [--width-policy cycle]]
 
 Greedy prompts must match AR exactly (float32, IEEE dots); a stop/budget workload puts stop tokens
 and budgets inside verify blocks and must match AR's tokens and finish reasons; both KV pools must
@@ -55,6 +56,9 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per greedy prompt (default 128)")
     parser.add_argument("--block", type=int, default=16, help="DFLASH block size (default 16)")
     parser.add_argument("--tiny-dir", default="/tmp/dflash-tiny", help="the tiny pair (made if absent)")
+    parser.add_argument("--widths", default="", help="the plugin's SGLANG_DFLASH_WIDTHS (adaptive width), e.g. auto")
+    parser.add_argument("--width-policy", default="cycle",
+                        help="with --widths: SGLANG_DFLASH_WIDTH_POLICY (default cycle: a new width every step)")
     args = parser.parse_args()
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
@@ -64,7 +68,8 @@ def main():
     target, draft = os.path.join(args.tiny_dir, "target"), os.path.join(args.tiny_dir, "draft")
     with open(os.path.join(draft, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32",
+    widths = {"SGLANG_DFLASH_WIDTHS": args.widths, "SGLANG_DFLASH_WIDTH_POLICY": args.width_policy} if args.widths else {}
+    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block, "stage": "start"}
     path = os.path.join(args.out, "lossless.json")
 
@@ -76,7 +81,7 @@ def main():
     servers = {
         "ar": Server(ServerSpec("ar", target, extra_args=FLAGS, extra_env=ENV),
                      log_path=os.path.join(args.out, "server-ar.log"), timeout_s=420),
-        "plugin": Server(ServerSpec("plugin", target, draft, args.block, FLAGS, ENV),
+        "plugin": Server(ServerSpec("plugin", target, draft, args.block, FLAGS, {**ENV, **widths}),
                          log_path=os.path.join(args.out, "server-plugin.log"), timeout_s=420),
     }
     greedy, stops = workload(args.prompts, args.new_tokens, vocab)
