@@ -76,8 +76,8 @@ WIDTHS_LOG_EVERY = 2000  # decode steps between two log lines of the verify widt
 @dataclass
 class DraftBlock:
     candidates: torch.Tensor  # [bs, w]: last committed token, then w-1 drafts (w = B unless narrowed)
-    positions: torch.Tensor  # [bs*B]
-    cache_loc: torch.Tensor  # [bs, B] KV slots of the block positions
+    positions: torch.Tensor  # [bs*w]
+    cache_loc: torch.Tensor  # [bs, w] KV slots of the verified positions
     seq_lens_bound: torch.Tensor  # host, [bs]: committed + B, what attention planning may assume
 
 
@@ -391,9 +391,6 @@ class DFlashWorker(BaseSpecWorker):
         if self.width_policy.steps % WIDTHS_LOG_EVERY == 0:
             logger.info("DFLASH verify widths used in %d decode steps: %s", self.width_policy.steps,
                         ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()))
-
-    def widths_used(self) -> dict[int, int]:
-        return self.width_policy.widths_used() if self.width_policy is not None else {self.block_size: 0}
 
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
