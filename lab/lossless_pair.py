@@ -17,15 +17,14 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
 from sglang_dflash.bench.client import kv_loads, run_requests
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all
+from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
          "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",
          "--max-running-requests", "64",
@@ -55,19 +54,14 @@ def main():
     parser.add_argument("--prompts", type=int, default=200, help="greedy prompts (default 200)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per greedy prompt (default 128)")
     parser.add_argument("--block", type=int, default=16, help="DFLASH block size (default 16)")
-    parser.add_argument("--tiny-dir", default="/tmp/dflash-tiny", help="the tiny pair (made if absent)")
+    parser.add_argument("--tiny-dir", default=DEFAULT_DIR, help="the tiny pair (made if absent)")
     parser.add_argument("--widths", default="", help="the plugin's SGLANG_DFLASH_WIDTHS (adaptive width), e.g. auto")
     parser.add_argument("--width-policy", default="cycle",
                         help="with --widths: SGLANG_DFLASH_WIDTH_POLICY (default cycle: a new width every step)")
     args = parser.parse_args()
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
-    if not os.path.exists(os.path.join(args.tiny_dir, "draft", "model.safetensors")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), args.tiny_dir],
-                       check=True, capture_output=True)
-    target, draft = os.path.join(args.tiny_dir, "target"), os.path.join(args.tiny_dir, "draft")
-    with open(os.path.join(draft, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    target, draft, vocab = ensure_tiny_pair(args.tiny_dir)
     widths = {"SGLANG_DFLASH_WIDTHS": args.widths, "SGLANG_DFLASH_WIDTH_POLICY": args.width_policy} if args.widths else {}
     record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block, "stage": "start"}

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from sglang_dflash import compat
 from sglang_dflash.bench.client import get_json, kv_loads, post_json
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, free_port, start_together, stop_all
+from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
          "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.25", "--max-total-tokens", "65536",
          "--max-running-requests", "32", "--log-level", "warning", "--dtype", "float32"]
@@ -84,16 +84,11 @@ def main():
     parser.add_argument("--prompts", type=int, default=100, help="greedy prompts (default 100)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--backend", default="mooncake_tcp", help="--disaggregation-transfer-backend (default mooncake_tcp)")
-    parser.add_argument("--tiny-dir", default="/tmp/dflash-tiny", help="the tiny pair (made if absent)")
+    parser.add_argument("--tiny-dir", default=DEFAULT_DIR, help="the tiny pair (made if absent)")
     args = parser.parse_args()
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
-    if not os.path.exists(os.path.join(args.tiny_dir, "draft", "model.safetensors")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), args.tiny_dir],
-                       check=True, capture_output=True)
-    target, draft = os.path.join(args.tiny_dir, "target"), os.path.join(args.tiny_dir, "draft")
-    with open(os.path.join(draft, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    target, draft, vocab = ensure_tiny_pair(args.tiny_dir)
     record = {"sglang": compat.running().version, "transfer_backend": args.backend, "dtype": "float32",
               "prompts": args.prompts, "new_tokens": args.new_tokens, "stage": "start"}
     path = os.path.join(args.out, "pd.json")

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sglang_dflash import compat
 from sglang_dflash.bench.client import generate_stream, kv_loads, post_json
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all, startup_reason
+from tiny_pair import ensure_tiny_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
@@ -215,11 +215,8 @@ def main() -> None:
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     if args.pair == "tiny":
-        tiny = "/tmp/dflash-tiny"
-        if not os.path.exists(os.path.join(tiny, "draft", "model.safetensors")):
-            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), tiny],
-                           check=True, capture_output=True)
-        target, draft = args.target or f"{tiny}/target", args.draft or f"{tiny}/draft"
+        tiny_target, tiny_draft, _ = ensure_tiny_pair()
+        target, draft = args.target or tiny_target, args.draft or tiny_draft
     else:
         target = args.target or "/tmp/smollm2"
         draft = args.draft or os.path.join(ROOT, "results", "smollm2-draft")

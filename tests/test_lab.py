@@ -44,6 +44,8 @@ def test_the_reference_server_applies_repetition_after_the_additive_penalties(tm
 
 def load_matrix():
     import importlib.util
+    if os.path.join(ROOT, "lab") not in sys.path:  # as when run as a script: the lab's own modules import
+        sys.path.insert(0, os.path.join(ROOT, "lab"))
     spec = importlib.util.spec_from_file_location("request_params_matrix",
                                                   os.path.join(ROOT, "lab", "request_params_matrix.py"))
     module = importlib.util.module_from_spec(spec)
