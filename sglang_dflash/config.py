@@ -50,11 +50,9 @@ def verify_widths(block_size: int) -> tuple[int, ...]:
     if not text:
         return (block_size,)
     if text == "auto":
-        widths, w = [], block_size
-        while w > 1:
-            widths.append(w)
-            w //= 2
-        return tuple(widths) + (1,)
+        from .adaptive import candidate_widths
+
+        return candidate_widths(block_size)
     try:
         widths = {int(w) for w in text.split(",") if w.strip()}
     except ValueError:
@@ -70,6 +68,8 @@ def width_policy_kind() -> str:
     if kind not in WIDTH_POLICIES:
         raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of {', '.join(WIDTH_POLICIES)}")
     return kind
+
+
 DEFAULT_BLOCK_SIZE = 16
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Buffers some HF exports carry along; they hold no trained weights.
@@ -85,7 +85,7 @@ class DFlashConfigError(ValueError):
         self.source = source
         where = f" in {source}" if source else ""
         # A flag or switch is the user's own: name it alone; anything else lives in the draft checkpoint.
-        users_own = field_name.startswith(("--", "SGLANG_")) and not source  # a flag or a switch
+        users_own = field_name.startswith(("--", "SGLANG_")) and not source
         subject = "" if users_own else f"DFlash draft{where}: "
         super().__init__(f"{subject}{field_name}: {problem}")
 
