@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
-from sglang_dflash.bench.client import kv_loads, run_requests
+from sglang_dflash.bench.client import kv_loads, run_requests, server_info
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all
 from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
@@ -86,6 +86,7 @@ def main():
             outs = dict(zip(servers, pool.map(
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
                 servers.values())))
+        plugin_info = server_info(servers["plugin"].url).get("dflash")
     finally:
         stop_all(list(servers.values()))
     (ar_greedy, ar_stops, ar_kv), (dg, ds, dkv) = outs["ar"], outs["plugin"]
@@ -97,7 +98,7 @@ def main():
     errors = sum(bool(r.error) for r in ar_greedy + dg + ar_stops + ds)
     save(stage="done", greedy_mismatches=len(greedy_div), first_divergences=greedy_div[:10],
          stop_mismatches=len(stop_div), errors=errors, accept_length=tokens / max(verify, 1),
-         tokens=tokens, ar_kv_after=ar_kv, plugin_kv_after=dkv)
+         tokens=tokens, ar_kv_after=ar_kv, plugin_kv_after=dkv, plugin_dflash=plugin_info)
     print(json.dumps(record))
     clean = not greedy_div and not stop_div and not errors
     idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in (ar_kv, dkv))

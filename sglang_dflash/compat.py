@@ -81,6 +81,7 @@ HOOK_TARGETS = {
     "resolve_algorithm": "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias",
     "stop_before_length": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
     "allow_logprobs": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
+    "server_info": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 
@@ -267,7 +268,8 @@ class SGLangRelease:
 
     def hook_targets(self) -> dict[str, str]:
         """The hooks this release needs, by name."""
-        targets = {name: HOOK_TARGETS[name] for name in ("create_worker", "handle_dflash_args", "resolve_algorithm")}
+        targets = {name: HOOK_TARGETS[name]
+                   for name in ("create_worker", "handle_dflash_args", "resolve_algorithm", "server_info")}
         if not self.has("stops_before_budget"):
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
         if not self.has("logprobs_reach_worker"):

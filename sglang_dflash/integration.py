@@ -15,6 +15,8 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
   config through transformers, so a bad draft is named here in one line, not in a traceback.
 * ``Req.update_finish_state`` (0.5.17 only): SGLang checks ``max_new_tokens`` before stop tokens
   and strings, so a stop inside a multi-token verify step that also reaches the budget was lost.
+* ``Scheduler.get_internal_state``: ``/get_server_info`` carries the worker's own figures under
+  ``dflash`` (the verify widths it used).
 * ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
   DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
 
@@ -84,6 +86,7 @@ def register() -> None:
         "resolve_algorithm": draft_path_hook,
         "stop_before_length": stop_before_length_hook,
         "allow_logprobs": allow_logprobs_hook,
+        "server_info": server_info_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
@@ -216,3 +219,12 @@ def allow_logprobs_hook(original, req, *args, **kwargs):
     request checks still apply. Other servers (and the built-in DFLASH) keep SGLang's check."""
     return original(_WithoutLogprobs(req) if _serving else req, *args, **kwargs)
 
+
+
+def server_info_hook(original, scheduler, recv_req):
+    """``/get_server_info``: the plugin's worker adds what only it knows under ``dflash``."""
+    out = original(scheduler, recv_req)
+    report = getattr(getattr(scheduler, "draft_worker", None), "server_info", None)
+    if _serving and callable(report) and isinstance(getattr(out, "internal_state", None), dict):
+        out.internal_state["dflash"] = report()
+    return out

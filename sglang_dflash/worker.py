@@ -323,6 +323,15 @@ class DFlashWorker(BaseSpecWorker):
             raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "needs decode CUDA graphs with the fa3 backend")
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
 
+    def server_info(self) -> dict:
+        """``/get_server_info``'s ``dflash`` entry: the block and, with adaptive width, the widths
+        chosen so far (decode steps per width)."""
+        info = {"block_size": self.block_size, "widths": list(self.widths)}
+        if self.width_policy is not None:
+            info["width_policy"] = type(self.width_policy).__name__
+            info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
+        return info
+
     # ---- one scheduler step ------------------------------------------------------------------
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None

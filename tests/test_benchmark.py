@@ -91,6 +91,17 @@ def test_server_commands_carry_flags_and_env():
     eagle = ServerSpec("spec:eagle", "T").command(1)
     assert eagle[eagle.index("--speculative-algorithm") + 1] == "EAGLE"
     assert "--speculative-algorithm" not in ServerSpec("ar", "T").command(1)
+    adaptive = ServerSpec("adaptive", "T", "D")  # the plugin with every verify width
+    assert adaptive.command(1)[adaptive.command(1).index("--speculative-draft-model-path") + 1] == "D"
+    assert adaptive.env()["SGLANG_DFLASH_IMPL"] == "plugin" and adaptive.env()["SGLANG_DFLASH_WIDTHS"] == "auto"
+
+
+def test_server_info_keeps_the_plugins_dflash_entry(monkeypatch):
+    from sglang_dflash.bench import client
+
+    state = {"avg_spec_accept_length": 2.5, "memory_usage": {"kv": 1}, "dflash": {"widths_used": {"16": 3}}}
+    monkeypatch.setattr(client, "get_json", lambda url, timeout=30: {"internal_states": [state]})
+    assert client.server_info("http://x") == {"avg_spec_accept_length": 2.5, "dflash": {"widths_used": {"16": 3}}}
 
 
 # ---- datasets ----------------------------------------------------------------------------------

@@ -349,3 +349,35 @@ def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "DFLASH verify widths used in 4 decode steps: 16: 2, 4: 1, 1: 1",
         "DFLASH verify widths used in 8 decode steps: 16: 3, 4: 3, 1: 2"]
+
+
+def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
+    """/get_server_info: the hook on SGLang's own Scheduler.get_internal_state adds the worker's
+    figures; a server the plugin does not serve (EAGLE, the built-in) is left as SGLang made it."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    import sglang_dflash.integration as integration
+    from sglang_dflash.adaptive import CyclingWidths
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.block_size, worker.widths = 16, (16, 4, 1)
+    worker.width_policy = CyclingWidths(worker.widths)
+    for _ in range(4):
+        worker.width_policy.choose(2)
+    assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
+
+    def sglang_state(scheduler, req):
+        return SimpleNamespace(internal_state={"avg_spec_accept_length": 1.5})
+
+    scheduler = SimpleNamespace(draft_worker=worker)
+    monkeypatch.setattr(integration, "_serving", True)
+    state = integration.server_info_hook(sglang_state, scheduler, None).internal_state
+    assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
+                               "widths_used": {"16": 2, "4": 1, "1": 1}}
+    assert state["avg_spec_accept_length"] == 1.5
+    worker.width_policy, worker.widths = None, (16,)
+    assert integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"] == {
+        "block_size": 16, "widths": [16]}
+    monkeypatch.setattr(integration, "_serving", False)
+    assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state

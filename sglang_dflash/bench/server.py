@@ -24,9 +24,11 @@ IMPLEMENTATIONS = {
     "ar": ([], {}),
     "plugin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin"}),
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
+    # The plugin with adaptive verify width (issue 27): every width of the block, the throughput policy.
+    "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin")
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive")
 
 
 def is_implementation(name: str) -> bool:
