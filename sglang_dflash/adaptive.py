@@ -5,14 +5,14 @@ A step at width w verifies the bonus and the first w - 1 drafts; width 1 is a pl
 chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`), and it
 costs the step time at that width and batch size (:class:`StepCosts`, measured while serving).
 :class:`WidthPolicy` picks the width with the best ratio, trying every width once per batch-size
-bucket before trusting its cost, and verifying at full width now and then so the acceptance of
-the deeper positions stays current. Changing width never changes a token (the reference loop's
+bucket before trusting its cost, and measuring each width again in turn now and then so costs
+and the acceptance of the deeper positions stay current. Changing width never changes a token (the reference loop's
 ``width`` argument; ``tests/test_adaptive.py``): only how many candidates are checked.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Optional, Sequence
 
 
@@ -62,25 +62,38 @@ class AcceptanceByPosition:
 
 
 class StepCosts:
-    """Step seconds by (width, batch-size bucket): a running mean of what was measured."""
+    """Step seconds by (width, batch-size bucket): the lower median of the last few measured. The
+    first step of a key is not counted: it pays for first use (a graph's first replay, a JIT
+    build). A median drops outliers; the lower one lets a single cheap re-measurement bring a
+    width back into play, where a mean would need many."""
 
-    def __init__(self, decay: float = 0.8):
-        self.decay = decay
-        self.seconds: dict[tuple[int, int], float] = {}
+    def __init__(self, window: int = 8):
+        self.samples: dict[tuple[int, int], deque] = {}
+        self.seen: Counter = Counter()
+        self.window = window
 
     def observe(self, width: int, bs: int, seconds: float) -> None:
         key = (width, bucket(bs))
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.seen[key] += 1
+        if self.seen[key] > 1:
+            self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def estimate(self, width: int, bs: int) -> Optional[float]:
-        return self.seconds.get((width, bucket(bs)))
+        samples = self.samples.get((width, bucket(bs)))
+        return sorted(samples)[(len(samples) - 1) // 2] if samples else None
+
+    @property
+    def seconds(self) -> dict[tuple[int, int], float]:
+        return {key: self.estimate(key[0], key[1]) for key in self.samples}
 
 
 class WidthPolicy:
-    """Per step: the width with the most expected tokens per second at this batch size."""
+    """Per step: the width with the most expected tokens per second at this batch size. Every
+    ``refresh_every`` steps one width, in turn, is measured again, so a cost measured once (or
+    under other traffic) cannot keep a width out for good; full width's turn also refreshes the
+    deeper positions' acceptance."""
 
-    def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 32):
+    def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16):
         self.widths = tuple(widths or candidate_widths(block_size))
         if max(self.widths) > block_size or min(self.widths) < 1:
             raise ValueError(f"widths must lie in 1..{block_size}, got {self.widths}")
@@ -100,7 +113,7 @@ class WidthPolicy:
         if untried:
             width = untried[0]
         elif self.steps % self.refresh_every == 0:
-            width = max(self.widths)  # the deeper positions' acceptance is only seen at full width
+            width = self.widths[(self.steps // self.refresh_every) % len(self.widths)]
         else:
             width = max(self.widths, key=lambda w: self.throughput(w, bs))
         self.used[width] += 1
@@ -113,6 +126,10 @@ class WidthPolicy:
 
     def widths_used(self) -> dict[int, int]:
         return dict(sorted(self.used.items(), reverse=True))
+
+    def step_ms(self) -> dict[str, float]:
+        """The measured step costs, as ``"width@batch bucket": ms``."""
+        return {f"{w}@{b}": round(s * 1000, 3) for (w, b), s in sorted(self.costs.seconds.items())}
 
 
 class CyclingWidths:

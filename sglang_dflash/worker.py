@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -236,6 +236,7 @@ class DFlashWorker(BaseSpecWorker):
             self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
+        self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
@@ -330,6 +331,9 @@ class DFlashWorker(BaseSpecWorker):
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
+            if hasattr(self.width_policy, "step_ms"):
+                info["step_ms"] = self.width_policy.step_ms()
+            info["eager_verifies"] = {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}
         return info
 
     # ---- one scheduler step ------------------------------------------------------------------
@@ -352,6 +356,8 @@ class DFlashWorker(BaseSpecWorker):
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
         logits_output, can_run_graph = self.verify_step(batch, block)
+        if not can_run_graph and self.width_policy is not None:
+            self.eager_verifies[width] += 1
         if grammar_tree is not None:
             mask = build_grammar_vocab_mask(
                 reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,

@@ -106,8 +106,24 @@ def test_the_policy_settles_on_the_width_a_known_cost_model_calls_best(bs, p, be
 
 def test_the_deeper_positions_are_refreshed_at_full_width():
     policy = WidthPolicy(8, refresh_every=10)
-    run_policy(policy, 4, 0.01, lambda w, b: 1.0 + 0.1 * w, 200, random.Random(2))
-    assert policy.widths_used()[8] >= 200 // 10
+    run_policy(policy, 4, 0.01, lambda w, b: 1.0 + 0.1 * w, 400, random.Random(2))
+    assert policy.widths_used()[8] >= 400 // 10 // len(candidate_widths(8))
+
+
+def test_a_slow_first_step_at_a_width_does_not_keep_that_width_out():
+    """Seen on the GPU (8B rig, drafts never accepted): width 1's first step paid for first use,
+    and the policy, which measured it once, verified 4 tokens for the rest of the run."""
+    first = {}
+
+    def cost(w, b):  # width 1 is the cheapest step, but its first (and second) costs 3x
+        first[w] = first.get(w, 0) + 1
+        return (3.0 if first[w] <= 2 and w == 1 else 1.0) + (0.3 if w > 1 else 0.0) + 0.01 * w
+
+    policy = WidthPolicy(16)
+    run_policy(policy, 8, 0.0, cost, 400, random.Random(3))
+    used = policy.widths_used()
+    assert used[1] > 0.7 * 400, used
+    assert set(policy.step_ms()) == {f"{w}@8" for w in candidate_widths(16)}
 
 
 def test_the_verify_widths_switch(monkeypatch):

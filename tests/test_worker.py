@@ -354,6 +354,8 @@ def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
 def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     """/get_server_info: the hook on SGLang's own Scheduler.get_internal_state adds the worker's
     figures; a server the plugin does not serve (EAGLE, the built-in) is left as SGLang made it."""
+    from collections import Counter
+
     from sglang.srt.managers.scheduler import Scheduler
 
     import sglang_dflash.integration as integration
@@ -363,6 +365,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker = object.__new__(DFlashWorker)
     worker.block_size, worker.widths = 16, (16, 4, 1)
     worker.width_policy = CyclingWidths(worker.widths)
+    worker.eager_verifies = Counter({1: 2})
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -374,7 +377,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     monkeypatch.setattr(integration, "_serving", True)
     state = integration.server_info_hook(sglang_state, scheduler, None).internal_state
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
-                               "widths_used": {"16": 2, "4": 1, "1": 1}}
+                               "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2}}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     assert integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"] == {
