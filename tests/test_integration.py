@@ -461,3 +461,15 @@ def test_a_pd_disaggregated_server_goes_to_the_builtin_and_says_why(tmp_path, ca
                     f"(--disaggregation-mode {role}) is served by the built-in only."]
     assert integration.create_worker_hook(lambda self, a: "sglang's worker", _Dflash(), args) == "sglang's worker"
     assert builtin_serves(server_args(tmp_path, disaggregation_mode="null"), RELEASE) is None
+
+
+def test_the_disaggregation_field_the_plugin_reads_exists_on_this_release():
+    """The contract for PD: ``compat.pd_role`` reads ``ServerArgs.disaggregation_mode`` ("null" when
+    not disaggregated). 0.5.17 declares it as a dataclass field, 0.5.23 in an argument group (a
+    slot the source check cannot see), so it is checked on the class itself."""
+    from sglang.srt.server_args import ServerArgs
+
+    assert hasattr(ServerArgs, "disaggregation_mode")
+    assert RELEASE.pd_role(SimpleNamespace(disaggregation_mode="null")) is None
+    assert RELEASE.pd_role(SimpleNamespace()) is None
+    assert RELEASE.pd_role(SimpleNamespace(disaggregation_mode="decode")) == "decode"
