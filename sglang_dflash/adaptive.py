@@ -5,8 +5,8 @@ A step at width w verifies the bonus and the first w - 1 drafts; width 1 is a pl
 chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`), and it
 costs the step time at that width and batch size (:class:`StepCosts`, measured while serving).
 :class:`WidthPolicy` picks the width with the best ratio, trying every width once per batch-size
-bucket before trusting its cost, and measuring each width again in turn now and then so costs
-and the acceptance of the deeper positions stay current. Changing width never changes a token (the reference loop's
+bucket before trusting its cost, and measuring again now and then the widths that could still win
+(and full width, whose steps alone show the deeper positions' acceptance). Changing width never changes a token (the reference loop's
 ``width`` argument; ``tests/test_adaptive.py``): only how many candidates are checked.
 """
 
@@ -78,6 +78,9 @@ class StepCosts:
         if self.seen[key] > 1:
             self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
+    def count(self, width: int, bs: int) -> int:
+        return len(self.samples.get((width, bucket(bs)), ()))
+
     def estimate(self, width: int, bs: int) -> Optional[float]:
         samples = self.samples.get((width, bucket(bs)))
         return sorted(samples)[(len(samples) - 1) // 2] if samples else None
@@ -88,20 +91,31 @@ class StepCosts:
 
 
 class WidthPolicy:
-    """Per step: the width with the most expected tokens per second at this batch size. Every
-    ``refresh_every`` steps one width, in turn, is measured again, so a cost measured once (or
-    under other traffic) cannot keep a width out for good; full width's turn also refreshes the
-    deeper positions' acceptance."""
+    """Per step: the width with the most expected tokens per second at this batch size.
 
-    def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16):
+    Costs drift and are noisy, so every ``refresh_every`` steps one width is measured again, in
+    turn among those that could still win: a width whose expected tokens would not beat the
+    current choice even at ``1 - margin`` of its measured cost is not worth a step (with every
+    draft accepted, a width-1 step commits one token where width 16 commits sixteen). Full width
+    is verified every ``8 * refresh_every`` steps whatever it costs: the deeper positions'
+    acceptance is only seen there, and without it a workload that turns easy would stay narrow.
+    A new choice must beat the current one by ``margin / 4``, so near-equal widths do not flip
+    on noise."""
+
+    SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
+
+    def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
+                 margin: float = 0.2):
         self.widths = tuple(widths or candidate_widths(block_size))
         if max(self.widths) > block_size or min(self.widths) < 1:
             raise ValueError(f"widths must lie in 1..{block_size}, got {self.widths}")
         self.acceptance = AcceptanceByPosition(block_size)
         self.costs = StepCosts()
-        self.refresh_every = refresh_every
+        self.refresh_every, self.margin = refresh_every, margin
         self.steps = 0
         self.used: Counter = Counter()
+        self.current: dict[int, int] = {}  # batch-size bucket -> the width chosen last
+        self.refreshes = 0
 
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
@@ -112,12 +126,33 @@ class WidthPolicy:
         untried = [w for w in self.widths if self.costs.estimate(w, bs) is None]
         if untried:
             width = untried[0]
-        elif self.steps % self.refresh_every == 0:
-            width = self.widths[(self.steps // self.refresh_every) % len(self.widths)]
+        elif self.steps % (8 * self.refresh_every) == 0:
+            width = max(self.widths)
         else:
-            width = max(self.widths, key=lambda w: self.throughput(w, bs))
+            width = self._best(bs)
+            if self.steps % self.refresh_every == 0:
+                width = self._worth_measuring(bs, width) or width
         self.used[width] += 1
         return width
+
+    def _best(self, bs: int) -> int:
+        best = max(self.widths, key=lambda w: self.throughput(w, bs))
+        held = self.current.get(bucket(bs))
+        if held is not None and self.throughput(best, bs) <= (1 + self.margin / 4) * self.throughput(held, bs):
+            best = held
+        self.current[bucket(bs)] = best
+        return best
+
+    def _worth_measuring(self, bs: int, chosen: int) -> Optional[int]:
+        """The next width in turn that could beat ``chosen`` if it cost ``margin`` less, or whose
+        cost rests on too few steps to say (a slow first use must not keep a width out)."""
+        bar = self.throughput(chosen, bs) * (1 - self.margin)
+        could_win = [w for w in self.widths if w != chosen and
+                     (self.throughput(w, bs) >= bar or self.costs.count(w, bs) < self.SURE_AFTER)]
+        if not could_win:
+            return None
+        self.refreshes += 1
+        return could_win[self.refreshes % len(could_win)]
 
     def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: float) -> None:
         self.costs.observe(width, bs, seconds)

@@ -107,7 +107,38 @@ def test_the_policy_settles_on_the_width_a_known_cost_model_calls_best(bs, p, be
 def test_the_deeper_positions_are_refreshed_at_full_width():
     policy = WidthPolicy(8, refresh_every=10)
     run_policy(policy, 4, 0.01, lambda w, b: 1.0 + 0.1 * w, 400, random.Random(2))
-    assert policy.widths_used()[8] >= 400 // 10 // len(candidate_widths(8))
+    assert policy.widths_used()[8] >= 400 // 80
+
+
+def test_when_every_draft_is_accepted_almost_every_step_verifies_the_whole_block():
+    """Seen on the GPU (8B rig, zero weights, fa3): re-measuring every width in turn cost 10-12%
+    against the fixed block. Narrow widths cannot win there, so they are not re-measured."""
+    policy = WidthPolicy(16)
+    run_policy(policy, 1, 1.0, lambda w, b: 8.3 + 0.02 * w, 2000, random.Random(4))
+    used = policy.widths_used()
+    assert used[16] >= 0.98 * 2000, used
+
+
+def test_near_equal_widths_do_not_flip_on_noise():
+    """No draft accepted, steps noisy by up to 15%, the draft pass a fifth of a step (fa3 at bs 1
+    on the 8B rig: 7.1 ms against 8.4-9.1 ms): width 1 holds."""
+    rng = random.Random(6)
+    policy = WidthPolicy(16)
+    run_policy(policy, 1, 0.0, lambda w, b: (7.1 + (1.3 if w > 1 else 0)) * (1 + 0.15 * rng.random()), 2000, rng)
+    # Every step but the scheduled re-measurements (every 16th, full width every 128th, the
+    # first tries) verifies width 1.
+    assert policy.widths_used()[1] >= 2000 - 2000 // 16 - 2000 // 128 - 12, policy.widths_used()
+
+
+def test_a_workload_that_turns_easy_brings_the_wide_block_back():
+    policy = WidthPolicy(16)
+    cost = lambda w, b: 1.0 + (0.25 if w > 1 else 0.0) + 0.002 * w  # noqa: E731
+    run_policy(policy, 2, 0.0, cost, 1000, random.Random(7))
+    assert max(policy.widths_used(), key=policy.widths_used().get) == 1
+    policy.used.clear()
+    run_policy(policy, 2, 0.95, cost, 2000, random.Random(8))
+    used = policy.widths_used()
+    assert max(used, key=used.get) == 16, used
 
 
 def test_a_slow_first_step_at_a_width_does_not_keep_that_width_out():
