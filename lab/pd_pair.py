@@ -29,13 +29,13 @@ from sglang_dflash.bench.client import get_json, kv_loads, post_json
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, free_port, start_together, stop_all
 from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
+# Decode graphs for every batch the pool admits: the built-in's eager draft step crashes in float32
+# (bfloat16 input embeddings against float32 weights, seen with graphs up to bs 8 only).
 FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
          "--cuda-graph-max-bs-decode", "32", "--mem-fraction-static", "0.25", "--max-total-tokens", "65536",
          "--max-running-requests", "32", "--log-level", "warning", "--dtype", "float32"]
 # Float32 norms and IEEE dots as in lab/lossless_pair.py; the transfer engine on the loopback address
 # (SGLang's local-IP probe needs a network otherwise).
-# Decode graphs for every batch the pool admits: the built-in's eager draft step crashes in float32
-# (bfloat16 input embeddings against float32 weights, seen with graphs up to bs 8 only).
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee", "SGLANG_HOST_IP": "127.0.0.1",
        "MC_TCP_ENABLE_CONNECTION_POOL": "true"}
 BUILTIN_LINE = "DFLASH is served by SGLang's built-in implementation: PD disaggregation (--disaggregation-mode {})"

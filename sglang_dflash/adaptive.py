@@ -5,9 +5,10 @@ A step at width w verifies the bonus and the first w - 1 drafts; width 1 is a pl
 chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`), and it
 costs the step time at that width and batch size (:class:`StepCosts`, measured while serving).
 :class:`WidthPolicy` picks the width with the best ratio, trying every width once per batch-size
-bucket before trusting its cost, and measuring again now and then the widths that could still win
-(and full width, whose steps alone show the deeper positions' acceptance). Changing width never changes a token (the reference loop's
-``width`` argument; ``tests/test_adaptive.py``): only how many candidates are checked.
+bucket before trusting its cost, and measuring again now and then the widths that could still
+win (and full width, whose steps alone show the deeper positions' acceptance). Changing width
+never changes a token (the reference loop's ``width`` argument; ``tests/test_adaptive.py``): only
+how many candidates are checked.
 """
 
 from __future__ import annotations
