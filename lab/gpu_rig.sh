@@ -4,18 +4,18 @@
 #   bash lab/gpu_rig.sh profile WEIGHTS BACKEND OUTDIR   step profile, plugin then built-in, c1/c8/c32
 #   bash lab/gpu_rig.sh bench WEIGHTS BACKEND OUTDIR     ar, plugin and built-in interleaved, c1/c8/c32
 # WEIGHTS: zero (every draft accepted) or random (tau ~ 1); BACKEND: fa3, triton or flashinfer.
-# SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES and
-# CONCURRENCIES override the defaults (ar,plugin,builtin; 8; 1,8,32).
+# SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES,
+# CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 8; 1,8,32; 32).
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
 version=${SGLANG_VERSION:-0.5.23}
 cd "$(dirname "$0")/.."
 source lab/gpu_setup.sh "$version" || exit 1
-# Prefill graphs off (their capture takes minutes at this size); decode graphs up to bs 32.
+# Prefill graphs off (their capture takes minutes at this size); decode graphs up to GRAPH_BS.
 case $version in
-    0.5.17|0.5.18|0.5.19) graphs="--disable-piecewise-cuda-graph --cuda-graph-max-bs 32" ;;
-    *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode 32" ;;
+    0.5.17|0.5.18|0.5.19) graphs="--disable-piecewise-cuda-graph --cuda-graph-max-bs ${GRAPH_BS:-32}" ;;
+    *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode ${GRAPH_BS:-32}" ;;
 esac
 flags="--attention-backend $backend $graphs --log-level warning"
 concs=${CONCURRENCIES:-1,8,32}

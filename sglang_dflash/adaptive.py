@@ -155,8 +155,10 @@ class WidthPolicy:
         self.refreshes += 1
         return could_win[self.refreshes % len(could_win)]
 
-    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: float) -> None:
-        self.costs.observe(width, bs, seconds)
+    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float]) -> None:
+        """One step's accepted-draft counts and, when it was timed, its seconds."""
+        if seconds is not None:
+            self.costs.observe(width, bs, seconds)
         if width > 1:
             self.acceptance.update(accept_lens, width)
 
@@ -183,7 +185,7 @@ class CyclingWidths:
         self.used[width] += 1
         return width
 
-    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: float) -> None:
+    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float]) -> None:
         pass
 
     def widths_used(self) -> dict[int, int]:

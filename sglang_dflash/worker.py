@@ -236,6 +236,7 @@ class DFlashWorker(BaseSpecWorker):
             self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
+        self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
         if get_parallel().tp_rank == 0:
             logger.info(
@@ -342,16 +343,17 @@ class DFlashWorker(BaseSpecWorker):
                                  ) -> GenerationBatchResult:
         # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            self.last_step_end = None  # the next decode step's time would include this prefill
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
             batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
         if batch.forward_mode.is_idle():
+            self.last_step_end = None
             return self._idle_result(on_publish)
 
         batch.seq_lens.record_stream(torch.cuda.current_stream())  # may come from the FutureMap stream
         bs = len(batch.seq_lens)
         width = self.width_policy.choose(bs) if self.width_policy is not None else self.block_size
-        started = self._step_event() if self.width_policy is not None else None
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
@@ -377,8 +379,8 @@ class DFlashWorker(BaseSpecWorker):
             on_publish(accepted.new_seq_lens)
         self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
         logits_output.hidden_states = None  # never copied to the host
-        if started is not None:
-            self.steps_in_flight.append((width, bs, started, self._step_event()))
+        if self.width_policy is not None:
+            self.time_step(width, bs)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=accepted.out_tokens.reshape(-1),
@@ -389,20 +391,25 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=accepted.new_seq_lens,
         )
 
-    @staticmethod
-    def _step_event() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def time_step(self, width: int, bs: int) -> None:
+        """A step's cost is the GPU time from the previous decode step's end to its own: what it
+        adds to the stream, host gaps included (with no draft pass to hide behind, a width-1
+        step's launch can leave the GPU waiting). After a prefill or an idle turn there is no
+        previous end, and the step is not timed."""
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        self.steps_in_flight.append((width, bs, self.last_step_end, ended))
+        self.last_step_end = ended
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         """The scheduler's word, in step order, that a step's accept lengths reached the host: the
-        width policy learns that step's acceptance and GPU time without a sync of its own."""
+        width policy learns that step's acceptance and, once its end is reached, its time, without
+        a sync of its own."""
         if self.width_policy is None or not self.steps_in_flight:
             return
         width, bs, started, ended = self.steps_in_flight.popleft()
-        if ended.query():
-            self.width_policy.record(width, bs, num_correct_drafts_per_req, started.elapsed_time(ended) / 1000)
+        seconds = started.elapsed_time(ended) / 1000 if started is not None and ended.query() else None
+        self.width_policy.record(width, bs, num_correct_drafts_per_req, seconds)
         if self.width_policy.steps % WIDTHS_LOG_EVERY == 0:
             logger.info("DFLASH verify widths used in %d decode steps: %s", self.width_policy.steps,
                         ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()))

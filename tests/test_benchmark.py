@@ -68,8 +68,26 @@ def test_parse_args_defaults_and_lists():
     assert sweep.parse_args(["--model-path", "m", "--impls", "ar"]).block_sizes == [None]
 
 
+def test_a_dflash_impl_may_fix_its_own_block_size(monkeypatch):
+    """``plugin@8``: one server of that block size beside the others (fixed 16, 8 and 4 with
+    adaptive and the built-in in one interleaved sweep)."""
+    a = sweep.parse_args(["--model-path", "m", "--draft-model-path", "d", "--impls", "ar,plugin@16,plugin@8,adaptive"])
+    started = []
+    monkeypatch.setattr(sweep, "sweep_interleaved", lambda args, specs, datasets, log_dir: (started.extend(specs), ([], [])))
+    monkeypatch.setattr(sweep, "problem_with_cache", lambda *a: None)
+    monkeypatch.setattr(sweep, "load_dataset_prompts", lambda *a: [])
+    monkeypatch.setattr(sweep, "render_prompts", lambda *a: [])
+    a.interleave = True
+    sweep.sweep(a)
+    assert [(s.impl, s.block_size, s.label) for s in started] == [
+        ("ar", None, "ar"), ("plugin", 16, "plugin-b16"), ("plugin", 8, "plugin-b8"), ("adaptive", None, "adaptive")]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--impls", "ar,turbo"], "unknown implementation 'turbo'"),
+    (["--impls", "ar@8"], "unknown implementation 'ar@8'"),
+    (["--impls", "plugin@x", "--draft-model-path", "d"], "unknown implementation 'plugin@x'"),
+    (["--impls", "plugin@8"], "--impls plugin@8 needs --draft-model-path"),
     (["--impls", "plugin"], "--impls plugin needs --draft-model-path"),
     (["--impls", "ar", "--concurrencies", "1,x"], "comma-separated integers"),
     (["--impls", "ar", "--concurrencies", "0"], "--concurrencies must be >= 1"),

@@ -324,11 +324,39 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     seen = []
     worker = object.__new__(DFlashWorker)
     worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
-    worker.steps_in_flight = deque([(8, 2, Event(0.0), Event(12.0)), (1, 2, Event(0.0), Event(3.0, done=False))])
-    DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)
-    DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time recorded
+    worker.steps_in_flight = deque([(8, 2, None, Event(5.0)), (8, 2, Event(5.0), Event(17.0)),
+                                    (1, 2, Event(17.0), Event(20.0, done=False))])
+    DFlashWorker.on_verify_complete_cpu(worker, [1, 1], batch_size=2)  # the first after a prefill: not timed
+    DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)  # from the step before's end to its own
+    DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # nothing in flight (a prefill's)
-    assert seen == [(8, 2, [3, 0], 0.012)] and not worker.steps_in_flight
+    assert seen == [(8, 2, [1, 1], None), (8, 2, [3, 0], 0.012), (1, 2, [0, 0], None)]
+    assert not worker.steps_in_flight
+
+
+def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_breaks_the_chain(monkeypatch):
+    from collections import deque
+
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(worker_mod.torch.cuda, "Event", Event)
+    worker = object.__new__(DFlashWorker)
+    worker.steps_in_flight, worker.last_step_end = deque(), None
+    DFlashWorker.time_step(worker, 16, 4)
+    DFlashWorker.time_step(worker, 1, 4)
+    (_, _, start0, end0), (_, _, start1, end1) = worker.steps_in_flight
+    assert start0 is None and start1 is end0 and worker.last_step_end is end1
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), is_extend_in_batch=True)
+    worker.prefill_step = lambda batch, on_publish: "prefilled"
+    assert DFlashWorker.forward_batch_generation(worker, batch) == "prefilled" and worker.last_step_end is None
 
 
 def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):

@@ -32,8 +32,23 @@ DFLASH_IMPLS = ("plugin", "builtin", "adaptive")
 
 
 def is_implementation(name: str) -> bool:
-    """One of :data:`IMPLEMENTATIONS`, or ``spec:NAME`` for another SGLang speculative algorithm."""
+    """One of :data:`IMPLEMENTATIONS`, or ``spec:NAME`` for another SGLang speculative algorithm;
+    a DFLASH one may name its block size, ``plugin@8``."""
+    try:
+        name, _ = split_block_size(name)
+    except ValueError:
+        return False
     return name in IMPLEMENTATIONS or (name.startswith("spec:") and len(name) > 5)
+
+
+def split_block_size(name: str) -> tuple[str, Optional[int]]:
+    """``plugin@8`` -> (``plugin``, 8); a name without ``@`` -> (name, None)."""
+    impl, sep, size = name.partition("@")
+    if not sep:
+        return name, None
+    if impl not in DFLASH_IMPLS or not size.isdigit() or int(size) < 1:
+        raise ValueError(f"{name!r}: only {', '.join(DFLASH_IMPLS)} take @BLOCK_SIZE, a positive integer")
+    return impl, int(size)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from .datasets import add_dataset_options, load_dataset_prompts, problem_with_ca
 from .report import markdown_report, plot, update_summary
 from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, checkpoint_bytes, cpu_slices, gpu_free_bytes,
-    exit_on_sigterm, is_implementation, memory_fraction, stop_all,
+    exit_on_sigterm, is_implementation, memory_fraction, split_block_size, stop_all,
 )
 from .stats import add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize
 
@@ -94,7 +94,7 @@ def build_parser():
     ap.add_argument("--draft-model-path", help="DFlash draft checkpoint; required for plugin and builtin")
     ap.add_argument("--impls", default="ar,plugin,builtin",
                     help=f"comma list of {', '.join(IMPLEMENTATIONS)}, or spec:NAME for another SGLang algorithm "
-                         "(spec:eagle)")
+                         "(spec:eagle); plugin@8 (any DFLASH one) fixes that server's block size")
     add_dataset_options(ap, "gsm8k,mt-bench")
     ap.add_argument("--num-prompts", type=int, default=64, help="the first N prompts of each dataset (cycled if fewer)")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="output length limit of every request")
@@ -149,11 +149,12 @@ def parse_args(argv=None):
     args.impls = comma_list(args.impls)
     if not args.impls:
         ap.error("--impls: name at least one implementation")
-    for impl in args.impls:
-        if not is_implementation(impl):
-            ap.error(f"--impls: unknown implementation {impl!r}")
+    for name in args.impls:
+        if not is_implementation(name):
+            ap.error(f"--impls: unknown implementation {name!r}")
+        impl, _ = split_block_size(name)
         if impl in DFLASH_IMPLS and not args.draft_model_path and not args.skip_launch:
-            ap.error(f"--impls {impl} needs --draft-model-path")
+            ap.error(f"--impls {name} needs --draft-model-path")
     args.datasets = comma_list(args.datasets)
     problem = None if args.rig else problem_with_names(args.datasets)
     if problem:
@@ -307,8 +308,9 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
             datasets[d] = [dict(p, sampling_params=payload_template) for p in prompts]
     rows, failures = [], []
     specs = []
-    for impl in args.impls:
-        sizes = args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
+    for name in args.impls:
+        impl, size = split_block_size(name)
+        sizes = [size] if size else args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
         specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
