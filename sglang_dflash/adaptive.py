@@ -86,6 +86,13 @@ class StepCosts:
         samples = self.samples.get((width, bucket(bs)))
         return sorted(samples)[(len(samples) - 1) // 2] if samples else None
 
+    def lower_bound(self, width: int, bs: int) -> Optional[float]:
+        """What a step at (width, bs) costs at least, from the other keys measured: a narrower
+        width or a smaller batch never costs more. None when no such key was measured."""
+        b = bucket(bs)
+        below = [self.estimate(w, k) for (w, k) in self.samples if w <= width and k <= b and (w, k) != (width, b)]
+        return max(below) if below else None
+
     @property
     def seconds(self) -> dict[tuple[int, int], float]:
         return {key: self.estimate(key[0], key[1]) for key in self.samples}
@@ -94,14 +101,16 @@ class StepCosts:
 class WidthPolicy:
     """Per step: the width with the most expected tokens per second at this batch size.
 
-    Costs drift and are noisy, so every ``refresh_every`` steps one width is measured again, in
-    turn among those that could still win: a width whose expected tokens would not beat the
-    current choice even at ``1 - margin`` of its measured cost is not worth a step (with every
-    draft accepted, a width-1 step commits one token where width 16 commits sixteen). Full width
-    is verified every ``8 * refresh_every`` steps whatever it costs: the deeper positions'
-    acceptance is only seen there, and without it a workload that turns easy would stay narrow.
-    A new choice must beat the current one by ``margin / 4``, so near-equal widths do not flip
-    on noise."""
+    A width is first tried at a batch-size bucket only if it could beat the best measured there
+    at the least it can cost (:meth:`StepCosts.lower_bound`: what a narrower width or a smaller
+    batch was measured at): with every draft accepted, width 16 and width 1 settle a bucket, and
+    later buckets need width 16 alone. Costs drift and are noisy, so every ``refresh_every``
+    steps one width is measured again, in turn among those that could still win: a width whose
+    expected tokens would not beat the current choice even at ``1 - margin`` of its measured cost
+    is not worth a step. Full width is verified every ``8 * refresh_every`` steps whatever it
+    costs: the deeper positions' acceptance is only seen there, and without it a workload that
+    turns easy would stay narrow. A new choice must beat the current one by ``margin / 4``, so
+    near-equal widths do not flip on noise."""
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
 
@@ -122,38 +131,63 @@ class WidthPolicy:
         seconds = self.costs.estimate(width, bs)
         return None if seconds is None else self.acceptance.expected_tokens(width) / seconds
 
+    def best_possible(self, width: int, bs: int) -> float:
+        """Expected tokens per second at the least a step of ``width`` can cost (unbounded when
+        nothing measured bounds it)."""
+        floor = self.costs.lower_bound(width, bs)
+        return self.acceptance.expected_tokens(width) / floor if floor else float("inf")
+
     def choose(self, bs: int) -> int:
         self.steps += 1
-        untried = [w for w in self.widths if self.costs.estimate(w, bs) is None]
-        if untried:
-            width = untried[0]
-        elif self.steps % (8 * self.refresh_every) == 0:
-            width = max(self.widths)
-        else:
-            width = self._best(bs)
-            if self.steps % self.refresh_every == 0:
-                width = self._worth_measuring(bs, width) or width
+        width = self._first_try(bs)
+        if width is None:
+            if self.steps % (8 * self.refresh_every) == 0:
+                width = max(self.widths)
+            else:
+                width = self._best(bs)
+                if self.steps % self.refresh_every == 0:
+                    width = self._worth_measuring(bs, width) or width
         self.used[width] += 1
         return width
 
+    def _measured(self, bs: int) -> list[int]:
+        return [w for w in self.widths if self.costs.estimate(w, bs) is not None]
+
+    def _first_try(self, bs: int) -> Optional[int]:
+        """An unmeasured width that could beat every measured one at this bucket: the unbounded
+        first (full width, then width 1: together they bound the rest), then the most promising."""
+        measured = self._measured(bs)
+        best = max((self.throughput(w, bs) for w in measured), default=0.0)
+        untried = [w for w in self.widths if w not in measured and self.best_possible(w, bs) > best]
+        if not untried:
+            return None
+        return min(untried, key=lambda w: (-self.best_possible(w, bs), w != max(self.widths), w != 1))
+
     def _best(self, bs: int) -> int:
-        best = max(self.widths, key=lambda w: self.throughput(w, bs))
+        best = max(self._measured(bs), key=lambda w: self.throughput(w, bs))
         held = self.current.get(bucket(bs))
-        if held is not None and self.throughput(best, bs) <= (1 + self.margin / 4) * self.throughput(held, bs):
+        if held is not None and self.costs.estimate(held, bs) is not None and \
+                self.throughput(best, bs) <= (1 + self.margin / 4) * self.throughput(held, bs):
             best = held
         self.current[bucket(bs)] = best
         return best
 
     def _worth_measuring(self, bs: int, chosen: int) -> Optional[int]:
-        """The next width in turn that could beat ``chosen`` if it cost ``margin`` less, or whose
-        cost rests on too few steps to say (a slow first use must not keep a width out)."""
+        """The next width in turn that could beat ``chosen`` if it cost ``margin`` less; a width
+        measured fewer than ``SURE_AFTER`` times is judged by the least it can cost instead (a slow
+        first use must not keep a width out)."""
         bar = self.throughput(chosen, bs) * (1 - self.margin)
-        could_win = [w for w in self.widths if w != chosen and
-                     (self.throughput(w, bs) >= bar or self.costs.count(w, bs) < self.SURE_AFTER)]
-        if not could_win:
+
+        def could_win(w: int) -> bool:
+            if self.costs.count(w, bs) < self.SURE_AFTER:
+                return self.best_possible(w, bs) >= bar
+            return self.throughput(w, bs) >= bar
+
+        candidates = [w for w in self.widths if w != chosen and could_win(w)]
+        if not candidates:
             return None
         self.refreshes += 1
-        return could_win[self.refreshes % len(could_win)]
+        return candidates[self.refreshes % len(candidates)]
 
     def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float]) -> None:
         """One step's accepted-draft counts and, when it was timed, its seconds."""

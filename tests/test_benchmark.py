@@ -318,6 +318,35 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert "wave by wave" not in open(tmp_path / "report.md").read()  # no built-in to pair with
 
 
+def test_servers_started_together_are_all_launched_before_any_is_awaited(tmp_path, chat_model, data_dir,
+                                                                          monkeypatch):
+    def command(self, port):
+        if self.impl == "builtin":
+            return [sys.executable, "-c", "raise SystemExit(3)"]
+        return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if self.impl == "ar" else "4"]
+
+    events = []
+    launch, wait = sweep.Server.launch, sweep.Server.wait_healthy
+    monkeypatch.setattr(ServerSpec, "command", command)
+    monkeypatch.setattr(sweep.Server, "launch", lambda self: events.append(("launch", self.spec.label)) or launch(self))
+    monkeypatch.setattr(sweep.Server, "wait_healthy",
+                        lambda self: events.append(("wait", self.spec.label)) or wait(self))
+    rc = sweep.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin@4,builtin",
+                     "--interleave", "--start-together", "--server-args", "--max-total-tokens 4096",
+                     "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "2",
+                     "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
+    res = json.load(open(tmp_path / "results.json"))
+    assert [e for e, _ in events] == ["launch"] * 3 + ["wait"] * 3
+    assert rc == 1 and [f["label"] for f in res["server_failures"]] == ["builtin"]
+    assert {r["label"] for r in res["rows"]} == {"ar", "plugin-b4"}
+
+
+def test_starting_together_needs_a_fixed_kv_pool(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--model-path", "m", "--impls", "ar", "--interleave", "--start-together"])
+    assert "--start-together needs --interleave and --max-total-tokens" in capsys.readouterr().err
+
+
 def test_report_pairs_interleaved_waves():
     def row(label, waves):
         return {"label": label, "dataset": "gsm8k", "concurrency": 8, "wave_tok_s": waves}

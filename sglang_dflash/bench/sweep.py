@@ -120,6 +120,9 @@ def build_parser():
     ap.add_argument("--interleave", action="store_true",
                     help="all servers up at once, taking turns wave by wave (give each a small KV pool: "
                          "--server-args '--max-total-tokens N')")
+    ap.add_argument("--start-together", action="store_true",
+                    help="with --interleave: launch every server at once (start-up costs the slowest, not the "
+                         "sum); needs --max-total-tokens in --server-args, for models small beside the GPU")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="with --interleave: each server on its own equal set of CPUs, the client on the rest")
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url (one --impls)")
@@ -165,6 +168,9 @@ def parse_args(argv=None):
     args.block_sizes = _int_list(ap, "--block-sizes", args.block_sizes, 1) or [None]
     if args.pin_cpus and not args.interleave:
         ap.error("--pin-cpus needs --interleave (it keeps servers that run at once apart)")
+    if args.start_together and not (args.interleave and "--max-total-tokens" in args.server_args):
+        ap.error("--start-together needs --interleave and --max-total-tokens in --server-args (a server "
+                 "sizes its KV pool from the memory free while its neighbours load)")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         ap.error("--num-prompts and --max-new-tokens must be >= 1")
     if args.waves < 0:
@@ -332,8 +338,9 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
 
 def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[list[dict], list[dict]]:
     """All servers up together (started one after another: each sizes its KV pool from the memory
-    the others left), then :func:`measure_interleaved`. A server that fails to start is reported and
-    the others are measured."""
+    the others left; or, with ``--start-together``, launched at once), then
+    :func:`measure_interleaved`. A server that fails to start is reported and the others are
+    measured."""
     failures = []
     if args.pin_cpus:
         slices, client = cpu_slices(sorted(os.sched_getaffinity(0)), len(specs))
@@ -342,22 +349,34 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)}", flush=True)
     sized = "--mem-fraction-static" not in server_flags(args)
     with contextlib.ExitStack() as stack:
-        servers = []
-        stack.callback(lambda: stop_all(servers))  # together: one drain window, not one per server
+        servers, launched = [], []
+        stack.callback(lambda: stop_all(launched))  # together: one drain window, not one per server
         for spec in specs:
             if sized:
                 spec = with_memory_fraction(spec, args.kv_cache_gb)
             log = os.path.join(log_dir, f"server-{spec.label}.log")
             server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
-            try:
-                server.start()
-            except ServerError as e:
-                failures.append(server_failure(spec, e))
-                continue
-            servers.append(server)
+            launched.append(server)
+            if not args.start_together:
+                start_or_report(server, servers, failures)
+        if args.start_together:
+            for server in launched:
+                server.launch()
+            for server in launched:
+                start_or_report(server, servers, failures, launch=False)
         rows = measure_interleaved(servers, datasets, args,
                                    lambda rows: write_results(args, rows, failures)) if servers else []
     return rows, failures
+
+
+def start_or_report(server: Server, started: list, failures: list, launch: bool = True) -> None:
+    """Bring ``server`` up and add it to ``started``, or record why it did not start."""
+    try:
+        server.start() if launch else server.wait_healthy()
+    except ServerError as e:
+        failures.append(server_failure(server.spec, e))
+        return
+    started.append(server)
 
 
 def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float) -> ServerSpec:
