@@ -84,6 +84,12 @@ HOOK_TARGETS = {
     "server_info": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
+# Target attention backends on which a width-1 step runs as a plain DECODE forward. Their decode
+# planning takes the lengths from the device (graph replay never reads the host copy; eager decode
+# only sizes buffers and a split heuristic from it), so the host's upper bound under the overlap
+# schedule serves. FlashInfer plans the decode's KV split from the host lengths, which would
+# describe KV the requests do not have yet: it keeps the 1-token verify.
+DECODE_AT_WIDTH_ONE = ("TritonAttnBackend", "FlashAttentionBackend")
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -194,11 +200,16 @@ class SGLangRelease:
 
         return get_exec().mamba.mamba_track_interval
 
-    def build_width_runners(self, model_runner, widths, capture: bool) -> dict:
+    def decodes_width_one(self, attn_backend) -> bool:
+        """Whether a width-1 step runs as a plain DECODE forward on this target attention backend."""
+        return type(attn_backend).__name__ in DECODE_AT_WIDTH_ONE
+
+    def build_width_runners(self, model_runner, widths, capture: bool, decode_width_one: bool = False) -> dict:
         """For each verify width: a target attention backend of its own and, with decode graphs
         on, a graph runner captured at that width, as SGLang's adaptive EAGLE builds them. Each is
         built while the resolved ``speculative_num_draft_tokens`` reads that width (FA3 and triton
-        fix the width when built), then the block is restored: the KV reserve reads it."""
+        fix the width when built), then the block is restored: the KV reserve reads it. With
+        ``decode_width_one``, width 1 gets plain DECODE graphs (:func:`tapped_decode_runner_class`)."""
         from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
         from sglang.srt.runtime_context import get_context, get_spec
 
@@ -209,8 +220,11 @@ class SGLangRelease:
             saved_workspace = model_runner.init_new_workspace
             try:
                 backend = model_runner._get_attention_backend(init_new_workspace=True)
-                runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
-                                               speculative_num_draft_tokens=width) if capture else None
+                runner_class = DecodeCudaGraphRunner
+                if width == 1 and decode_width_one:
+                    runner_class = tapped_decode_runner_class()
+                runner = runner_class(model_runner, attn_backend=backend,
+                                      speculative_num_draft_tokens=width) if capture else None
             finally:
                 model_runner.init_new_workspace = saved_workspace
                 get_context().override(SOURCE + ".verify_width", speculative_num_draft_tokens=block)
@@ -280,6 +294,7 @@ class SGLangRelease:
         """Every SGLang symbol the plugin touches on this release."""
         syms = [Symbol(*split_target(target)) for target in self.hook_targets().values()]
         spec = "sglang.srt.speculative."
+        graph_runner = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
         ps = () if self.has("worker_without_ps") else ("ps",)
         syms += [
             Symbol("sglang.srt.plugins.hook_registry", "HookRegistry.register"),
@@ -321,13 +336,29 @@ class SGLangRelease:
                    ("size", "max_context_len", "device", "enable_memory_saver")),
             Symbol("sglang.srt.model_executor.cuda_graph_config", "Backend"),
             # adaptive width (SGLANG_DFLASH_WIDTHS): a backend and a graph runner per width
-            Symbol("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner.__init__",
+            Symbol(graph_runner, "DecodeCudaGraphRunner.__init__",
                    ("model_runner", "attn_backend", "speculative_num_draft_tokens")),
             Symbol("sglang.srt.model_executor.model_runner", "ModelRunner._get_attention_backend",
                    ("init_new_workspace",)),
             Symbol("sglang.srt.runtime_context", "get_context"),
             Symbol("sglang.srt.runtime_context", "get_spec"),
             Symbol("sglang.srt.runtime_context", "RuntimeContext.override", ("source",)),
+            # width 1 as a plain DECODE forward: the graph runner's capture switches, the planning
+            # a forward batch of our own takes, and the backends that decode it
+            *(Symbol(graph_runner, "DecodeCudaGraphRunner." + name) for name in (
+                "capture_forward_mode", "capture_hidden_mode")),
+            Symbol(graph_runner, "DecodeCudaGraphRunner.get_spec_info", ("num_tokens",)),
+            Symbol(graph_runner, "DecodeCudaGraphRunner.can_run_graph", ("forward_batch",)),
+            Symbol(graph_runner, "DecodeCudaGraphRunner.load_batch", ("forward_batch",)),
+            Symbol("sglang.srt.model_executor.model_runner", "ModelRunner.decode_cuda_graph_runner"),
+            Symbol("sglang.srt.model_executor.model_runner", "ModelRunner.attn_backend"),
+            Symbol("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.init_new",
+                   ("batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm")),
+            Symbol("sglang.srt.model_executor.forward_batch_info", "ForwardMode.DECODE"),
+            Symbol("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend.init_forward_metadata",
+                   ("forward_batch",)),
+            Symbol("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend"),
+            Symbol("sglang.srt.layers.attention.flashattention_backend", "FlashAttentionBackend"),
             Symbol(spec + "base_spec_worker", "BaseSpecWorker.on_verify_complete_cpu",
                    ("num_correct_drafts_per_req", "batch_size")),
             Symbol("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
@@ -381,6 +412,38 @@ def split_target(dotted: str) -> tuple[str, str]:
     parts = dotted.split(".")
     cut = next((i for i in range(1, len(parts)) if parts[i][0].isupper()), len(parts) - 1)
     return ".".join(parts[:cut]), ".".join(parts[cut:])
+
+
+@lru_cache(maxsize=1)
+def tapped_decode_runner_class():
+    """SGLang's decode graph runner, capturing plain DECODE steps that return the tapped hidden
+    states. On a speculative target its ``__init__`` picks TARGET_VERIFY and the server's hidden
+    mode, then captures (inside ``__init__``) with the verify's spec input; the mode, the hidden
+    capture and the absent spec input are fixed here, so every read sees them."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    class TappedDecodeGraphRunner(DecodeCudaGraphRunner):
+        @property
+        def capture_forward_mode(self):
+            return ForwardMode.DECODE
+
+        @capture_forward_mode.setter
+        def capture_forward_mode(self, mode):
+            pass  # TARGET_VERIFY, the base's choice for any speculative target
+
+        @property
+        def capture_hidden_mode(self):
+            return CaptureHiddenMode.FULL
+
+        @capture_hidden_mode.setter
+        def capture_hidden_mode(self, mode):
+            pass  # the server's mode (NULL), or what a spec input asks for
+
+        def get_spec_info(self, num_tokens: int):
+            return None  # a plain decode batch (decode planning would read a draft's kv_indptr)
+
+    return TappedDecodeGraphRunner
 
 
 @lru_cache(maxsize=1)

@@ -22,8 +22,9 @@ with the radix cache's ``extra_buffer`` strategy, snapshots the step at a crosse
 
 Verify width (experimental, ``SGLANG_DFLASH_WIDTHS``): a step may verify only the first w of the
 B candidates (w = 1: the bonus alone, no draft pass), on a target attention backend and verify
-graphs built for w (:meth:`DFlashWorker.target_at_width`). The width policy (``adaptive.py``)
-learns acceptance and step time from :meth:`DFlashWorker.on_verify_complete_cpu`.
+graphs built for w (:meth:`DFlashWorker.target_at_width`). On triton and FA3, width 1 is a plain
+DECODE forward with DECODE graphs (:meth:`DFlashWorker.decode_step`). The width policy
+(``adaptive.py``) learns acceptance and step time from :meth:`DFlashWorker.on_verify_complete_cpu`.
 
 ``--speculative-draft-window-size W``: the draft attends to the last W committed positions only,
 through a request table of its own (:class:`DraftWindow`); the target still sees everything.
@@ -235,6 +236,7 @@ class DFlashWorker(BaseSpecWorker):
             self._check_adaptive_width_serves(server_args)
             self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
+        self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
@@ -320,7 +322,9 @@ class DFlashWorker(BaseSpecWorker):
         a narrower block at all: its eager verify assumes the width it was built with."""
         mr = self.model_runner
         self.width_pairs = {self.block_size: (mr.attn_backend, mr.decode_cuda_graph_runner)}
-        self.width_pairs.update(self.release.build_width_runners(mr, self.widths[1:], capture))
+        self.width_one_decodes = 1 in self.widths and self.release.decodes_width_one(mr.attn_backend)
+        self.width_pairs.update(
+            self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes))
         if not capture and "FlashAttention" in type(mr.attn_backend).__name__:
             raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "needs decode CUDA graphs with the fa3 backend")
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
@@ -501,10 +505,12 @@ class DFlashWorker(BaseSpecWorker):
         """The target over the block's candidates (causal, one pass); returns logits and hidden
         states. A narrower block runs on that width's own attention backend and graphs."""
         width = block.candidates.shape[1]
-        if width != self.block_size:
-            with self.target_at_width(width):
-                return self._verify(batch, block)
-        return self._verify(batch, block)
+        if width == self.block_size:
+            return self._verify(batch, block)
+        with self.target_at_width(width):
+            if width == 1 and self.width_one_decodes:
+                return self.decode_step(batch, block)
+            return self._verify(batch, block)
 
     @contextlib.contextmanager
     def target_at_width(self, width: int):
@@ -530,6 +536,31 @@ class DFlashWorker(BaseSpecWorker):
         batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, self._target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = self._target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+        )
+        return out.logits_output, out.can_run_cuda_graph
+
+    def decode_step(self, batch, block: DraftBlock):
+        """Width 1 as a plain decode step: the bonus token through the target's decode kernels and
+        DECODE graphs, returning what the 1-token verify would (logits and tapped hidden states
+        of one row per request). Decode lengths count the token decoded, so its position is the
+        committed length, as in the verify."""
+        saved = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info
+        batch.input_ids, batch.forward_mode, batch.spec_info = block.candidates[:, 0], ForwardMode.DECODE, None
+        batch.out_cache_loc = block.cache_loc.view(-1)
+        batch.seq_lens = batch.seq_lens + 1
+        batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())  # bounds
+        mr = self.model_runner
+        forward_batch = ForwardBatch.init_new(batch, mr, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                              return_hidden_states_before_norm=False)
+        batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info = saved  # committed, for the accept
+        graphs = mr.decode_cuda_graph_runner
+        can_run_graph = bool(graphs and graphs.can_run_graph(forward_batch))
+        if can_run_graph:
+            graphs.load_batch(forward_batch)
+        else:
+            mr.attn_backend.init_forward_metadata(forward_batch)
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )

@@ -23,7 +23,7 @@ NEEDS_GPU = ("sglang.srt.layers.attention.hybrid_linear_attn_backend", "sglang.s
              "sglang.srt.layers.layernorm", "sglang.srt.layers.activation", "sglang.srt.models.utils",
              "sglang.srt.layers.rotary_embedding", "sglang.srt.layers.linear", "sglang.srt.layers.sampler",
              "sglang.srt.layers.quantization.unquant", "sglang.srt.layers.radix_attention",
-             "sglang.srt.layers.logits_processor")
+             "sglang.srt.layers.logits_processor", "sglang.srt.layers.attention.flashattention_backend")
 
 
 def sglang_source(version):
@@ -124,3 +124,61 @@ def test_min_new_tokens_holds_back_what_sglangs_penalizer_holds_back(version, mo
     assert compat.SGLangRelease(version).min_new_tokens_stop_ids(req) == ({2, 5, 7, 9} if model_eos else {2, 5, 7})
     req.tokenizer, req.sampling_params.stop_token_ids = None, None  # skip_tokenizer_init
     assert compat.SGLangRelease(version).min_new_tokens_stop_ids(req) == ({2, 9} if model_eos else set())
+
+
+def test_the_width_one_runner_captures_plain_decode_steps_with_the_tapped_hidden_states():
+    """SGLang's runner picks TARGET_VERIFY and the server's hidden mode for a speculative target and
+    captures inside ``__init__``, a spec input from ``get_spec_info`` in each batch: whatever it
+    assigns, the width-1 runner reads DECODE, FULL and no spec input."""
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode, ForwardMode, get_required_capture_hidden_mode)
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    runner_class = compat.tapped_decode_runner_class()
+    assert issubclass(runner_class, DecodeCudaGraphRunner)
+    runner = object.__new__(runner_class)
+    runner.capture_forward_mode = ForwardMode.TARGET_VERIFY
+    runner.capture_hidden_mode = CaptureHiddenMode.NULL
+    spec_info = runner.get_spec_info(64)
+    assert spec_info is None and runner.capture_forward_mode == ForwardMode.DECODE
+    assert get_required_capture_hidden_mode(runner.capture_hidden_mode, spec_info) == CaptureHiddenMode.FULL
+
+
+@pytest.mark.parametrize("capture, decode_width_one", [(True, True), (True, False), (False, True)])
+def test_each_width_gets_a_backend_and_graphs_of_its_own_built_at_that_width(monkeypatch, capture, decode_width_one):
+    from types import SimpleNamespace
+
+    import sglang.srt.model_executor.runner.decode_cuda_graph_runner as graph_runners
+    import sglang.srt.runtime_context as runtime_context
+
+    spec = SimpleNamespace(speculative_num_draft_tokens=16)
+    context = SimpleNamespace(override=lambda source, speculative_num_draft_tokens: setattr(
+        spec, "speculative_num_draft_tokens", speculative_num_draft_tokens))
+    monkeypatch.setattr(runtime_context, "get_context", lambda: context)
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: spec)
+
+    class Runner:
+        def __init__(self, model_runner, attn_backend, speculative_num_draft_tokens):
+            assert speculative_num_draft_tokens == spec.speculative_num_draft_tokens  # built at its width
+            self.attn_backend, self.width = attn_backend, speculative_num_draft_tokens
+
+    class DecodeRunner(Runner):
+        pass
+
+    monkeypatch.setattr(graph_runners, "DecodeCudaGraphRunner", Runner)
+    monkeypatch.setattr(compat, "tapped_decode_runner_class", lambda: DecodeRunner)
+    model_runner = SimpleNamespace(init_new_workspace=False)
+
+    def get_attention_backend(init_new_workspace):
+        model_runner.init_new_workspace = init_new_workspace  # as SGLang's does
+        return "backend", spec.speculative_num_draft_tokens
+
+    model_runner._get_attention_backend = get_attention_backend
+    pairs = compat.running().build_width_runners(model_runner, (8, 4, 1), capture, decode_width_one=decode_width_one)
+    assert {w: backend for w, (backend, _) in pairs.items()} == {w: ("backend", w) for w in (8, 4, 1)}
+    if capture:
+        assert [type(pairs[w][1]) for w in (8, 4, 1)] == [Runner, Runner, DecodeRunner if decode_width_one else Runner]
+        assert all(runner.attn_backend is backend for backend, runner in pairs.values())
+    else:
+        assert all(runner is None for _, runner in pairs.values())
+    assert spec.speculative_num_draft_tokens == 16 and not model_runner.init_new_workspace  # the block's again

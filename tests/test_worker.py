@@ -7,6 +7,8 @@ import pytest
 import torch
 from conftest import draft_config_dict
 
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.reference import ReferenceDraft
 from sglang_dflash.worker import DraftWindow, StepBuffers, extend_positions, mamba_track_steps
@@ -412,3 +414,171 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
         "block_size": 16, "widths": [16]}
     monkeypatch.setattr(integration, "_serving", False)
     assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state
+
+
+# ---- width 1 as a plain DECODE forward of the target ----------------------------------------------
+
+
+V = 32  # the fake target's vocabulary: it answers token t with (3t + 1) % V
+
+
+def fake_target_forward(forward_batch, pair, seen):
+    """The target's forward over ``forward_batch.input_ids``: logits and tapped hidden states of one
+    row per token, and whether a graph ran (what the width's runner says), as SGLang returns them."""
+    seen.append(pair)
+    tokens = forward_batch.input_ids
+    logits = torch.nn.functional.one_hot((3 * tokens + 1) % V, V).float()
+    hidden = tokens[:, None].float().expand(-1, 6).clone()  # three tapped layers of width 2
+    runner = pair[1]
+    ran_graph = runner is not None and runner.can_run_graph(forward_batch)
+    return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
+                           can_run_cuda_graph=ran_graph)
+
+
+def width_one_worker(monkeypatch, runner: str, decodes: bool = True):
+    """narrow_worker's worker and batch at width 1, with the width-1 target pair (a backend that
+    plans eagerly and, unless ``runner`` is "none", a graph runner that takes batches up to a
+    ``runner`` of "graph"), a recording ForwardBatch.init_new and the target's forward."""
+    import sglang_dflash.worker as worker_mod
+    from sglang.srt.model_executor.forward_batch_info import clamp_position
+
+    worker, batch = narrow_worker(monkeypatch)
+    log = SimpleNamespace(init_new=[], planned=[], loaded=[], forwards=[], pairs=[])
+    backend = SimpleNamespace(init_forward_metadata=log.planned.append)
+    graphs = None if runner == "none" else SimpleNamespace(can_run_graph=lambda fb: runner == "graph",
+                                                          load_batch=log.loaded.append)
+    mr = worker.model_runner
+    mr.attn_backend, mr.decode_cuda_graph_runner = "b8", "g8"
+    worker.width_pairs, worker.width_one_decodes = {1: (backend, graphs)}, decodes
+
+    def init_new(batch, model_runner, *, capture_hidden_mode, return_hidden_states_before_norm):
+        assert model_runner is mr and not return_hidden_states_before_norm
+        fields = ("input_ids", "forward_mode", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "out_cache_loc")
+        log.init_new.append({**{f: getattr(batch, f) for f in fields}, "capture_hidden_mode": capture_hidden_mode})
+        # DECODE positions as SGLang derives them: the last of the lengths
+        return SimpleNamespace(input_ids=batch.input_ids, positions=clamp_position(batch.seq_lens))
+
+    monkeypatch.setattr(worker_mod, "ForwardBatch", SimpleNamespace(init_new=init_new))
+
+    def forward_batch_generation(batch, forward_batch, is_verify, skip_attn_backend_init):
+        assert batch is None and is_verify and skip_attn_backend_init
+        log.forwards.append(forward_batch)
+        return fake_target_forward(forward_batch, (mr.attn_backend, mr.decode_cuda_graph_runner), log.pairs)
+
+    worker._target_worker = SimpleNamespace(forward_batch_generation=forward_batch_generation)
+    batch.seq_lens_sum, batch.forward_mode, batch.input_ids, batch.out_cache_loc = 14, ForwardMode.DECODE, None, None
+    return worker, batch, log, (backend, graphs)
+
+
+@pytest.mark.parametrize("runner", ["graph", "eager", "none"])
+def test_width_one_decodes_the_bonus_token_at_its_slot_with_the_tapped_hidden_states(monkeypatch, runner):
+    """The DECODE batch: the bonus tokens, lengths counting them (so positions are the committed
+    lengths), the width-1 KV slot, no spec input, the tapped hidden states; planned by the width-1
+    graph runner when it takes the batch, else by the width-1 backend; the batch fields the accept
+    step reads are the committed ones again afterwards."""
+    from sglang_dflash.worker import DFlashWorker
+
+    worker, batch, log, pair = width_one_worker(monkeypatch, runner)
+    block = DFlashWorker.draft_step(worker, batch, StepBuffers(8, "cpu").take(2, torch.int64, 1), 1)
+    committed, spec_info = batch.seq_lens, batch.spec_info
+    logits_output, ran_graph = DFlashWorker.verify_step(worker, batch, block)
+
+    (seen,) = log.init_new
+    assert seen["forward_mode"] == ForwardMode.DECODE and seen["spec_info"] is None
+    assert seen["capture_hidden_mode"] == CaptureHiddenMode.FULL
+    assert seen["input_ids"].tolist() == [7, 8]
+    assert seen["seq_lens"].tolist() == [6, 10]
+    assert seen["out_cache_loc"].tolist() == [1000 + 2 * 64 + 5, 1000 + 9]
+    # host lengths: the block's upper bound (committed + B), never below the decode lengths
+    assert seen["seq_lens_cpu"].tolist() == [13, 17] and seen["seq_lens_sum"] == 30
+    (forward_batch,) = log.forwards
+    assert forward_batch.positions.tolist() == [5, 9] == block.positions.tolist()
+    assert log.loaded == ([forward_batch] if runner == "graph" else [])
+    assert log.planned == ([] if runner == "graph" else [forward_batch])
+    assert log.pairs == [pair] and ran_graph == (runner == "graph")  # eager outside graphs
+    assert (worker.model_runner.attn_backend, worker.model_runner.decode_cuda_graph_runner) == ("b8", "g8")
+    assert batch.seq_lens is committed and batch.seq_lens_cpu.tolist() == [5, 9] and batch.seq_lens_sum == 14
+    assert batch.spec_info is spec_info
+    assert logits_output.next_token_logits.shape == (2, V) and logits_output.hidden_states.shape == (2, 6)
+
+
+def torch_accept_block(candidates, target_tokens, seq_lens, accept_len, commit_len, bonus, out_tokens, new_seq_lens):
+    from sglang_dflash.reference import accept_block
+
+    ref = accept_block(candidates, target_tokens)
+    for out, value in ((accept_len, ref.accept_len), (commit_len, ref.commit_len), (bonus, ref.bonus),
+                       (out_tokens, ref.out_tokens), (new_seq_lens, seq_lens + ref.commit_len)):
+        out.copy_(value)
+
+
+@pytest.mark.parametrize("runner", ["graph", "eager"])
+def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monkeypatch, runner):
+    """The whole step at width 1, as a DECODE forward and as the 1-token verify (the backends that
+    keep it): the same token committed after the committed lengths, the same draft K/V written
+    from the tapped hidden states, and a step outside graphs counted as eager."""
+    from collections import Counter, deque
+
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker
+
+    class Lens(torch.Tensor):
+        def record_stream(self, stream):
+            pass
+
+    class VerifyInput:  # SGLang's DFlashVerifyInput, as far as the 1-token verify uses it
+        def __init__(self, draft_token, positions, draft_token_num, capture_hidden_mode):
+            self.draft_token, self.positions = draft_token, positions
+
+        def prepare_for_verify(self, batch, target_worker):
+            return SimpleNamespace(input_ids=self.draft_token, positions=self.positions), None
+
+    monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
+    monkeypatch.setattr(worker_mod, "DFlashVerifyInput", VerifyInput)
+    steps = {}
+    for decodes in (True, False):
+        worker, batch, log, _ = width_one_worker(monkeypatch, runner, decodes)
+        written = []
+        worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
+        worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
+        worker.eager_verifies, worker.steps_in_flight = Counter(), deque()
+        worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
+        worker.time_step = lambda width, bs: None
+        worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
+        batch.seq_lens = batch.seq_lens.as_subclass(Lens)
+        batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
+        batch.is_extend_in_batch = False
+        result = DFlashWorker.forward_batch_generation(worker, batch)
+        assert log.init_new if decodes else not log.init_new  # the path taken
+        steps[decodes] = (result.next_token_ids.tolist(), result.accept_lens.tolist(),
+                          result.new_seq_lens.tolist(), result.next_draft_input.bonus_tokens.tolist(),
+                          result.speculative_num_draft_tokens, written, dict(worker.eager_verifies))
+    tokens, accept_lens, new_lens, bonus, stride, written, eager = steps[True]
+    assert steps[True] == steps[False]
+    assert tokens == bonus == [22, 25] and accept_lens == [1, 1] and new_lens == [6, 10] and stride == 1
+    slots = [[1000 + 2 * 64 + 5], [1000 + 9]]
+    assert written == [[[[7.0] * 6, [8.0] * 6], [5, 9], slots, [1, 1]]]  # hidden, positions, KV slots, commit
+    assert eager == ({} if runner == "graph" else {1: 1})
+
+
+@pytest.mark.parametrize("backend, widths, decodes", [
+    ("TritonAttnBackend", (16, 8, 4, 2, 1), True), ("FlashAttentionBackend", (16, 4, 1), True),
+    ("FlashInferAttnBackend", (16, 8, 4, 2, 1), False), ("HybridAttnBackend", (16, 4, 1), False),
+    ("TritonAttnBackend", (16, 4), False)])
+def test_width_one_decodes_where_the_targets_decode_planning_takes_the_device_lengths(
+        monkeypatch, backend, widths, decodes):
+    """Triton and FA3 plan a decode from the device lengths; FlashInfer plans its KV split from the
+    host's (an upper bound under the overlap schedule), and a backend pair is not judged: those
+    keep the 1-token verify. The width-1 runner is built for the path the step takes."""
+    from sglang_dflash import compat
+    from sglang_dflash.worker import DFlashWorker
+
+    built = []
+    monkeypatch.setattr(compat.SGLangRelease, "build_width_runners",
+                        lambda self, mr, widths, capture, decode_width_one: built.append(decode_width_one) or {})
+    worker = object.__new__(DFlashWorker)
+    worker.release, worker.block_size, worker.widths = compat.running(), 16, widths
+    worker.width_policy = SimpleNamespace()
+    worker.model_runner = SimpleNamespace(attn_backend=type(backend, (), {})(), decode_cuda_graph_runner="g16")
+    DFlashWorker._build_width_pairs(worker, capture=True)
+    assert worker.width_one_decodes is decodes and built == [decodes]
