@@ -18,6 +18,9 @@ case $version in
     *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode ${GRAPH_BS:-32}" ;;
 esac
 flags="--attention-backend $backend $graphs --log-level warning"
+# SGLang caps a speculative server at 48 running requests; beyond that every level's servers must
+# run all their requests, or DFLASH runs c64 in two rounds where plain decoding runs one.
+[ "${GRAPH_BS:-32}" -gt 48 ] && flags+=" --max-running-requests $GRAPH_BS"
 concs=${CONCURRENCIES:-1,8,32}
 mkdir -p "$out"
 case $mode in
