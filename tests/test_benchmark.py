@@ -605,6 +605,28 @@ def test_interleaved_servers_are_sized_one_after_another_from_the_free_memory(tm
     assert [args.count("--mem-fraction-static") for args in launched] == [1, 1]
 
 
+def test_servers_launched_together_each_hold_room_for_what_their_neighbours_load(tmp_path, monkeypatch):
+    """Seen on 0.5.23 with six SmolLM2 servers launched at once, each sized for itself alone: one
+    could not start and plain decoding got an 871-token pool. Each share now also counts every
+    neighbour's weights and KV, since they load in the same window."""
+    gib = 1 << 30
+    launched = []
+
+    def command(self, port):
+        launched.append(float(self.extra_args[self.extra_args.index("--mem-fraction-static") + 1]))
+        return [sys.executable, FAKE, "--port", str(port)]
+
+    monkeypatch.setattr(ServerSpec, "command", command)
+    monkeypatch.setattr(sweep, "gpu_free_bytes", lambda: 80 * gib)
+    monkeypatch.setattr(sweep, "checkpoint_bytes", lambda path: gib // 4 if path else 0)
+    sweep.main(["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--impls", "ar,plugin,adaptive",
+                "--interleave", "--start-together", "--server-args", "--max-total-tokens 4096",
+                "--num-prompts", "1", "--max-new-tokens", "4", "--concurrencies", "1",
+                "--output-dir", str(tmp_path / "out"), "--startup-timeout", "30"])
+    everyone = (1 + 2 + 2) * gib // 4 + 3 * 4 * gib  # weights (the DFLASH ones with their draft) and KV
+    assert len(launched) == 3 and all(f * 80 * gib >= everyone for f in launched), launched
+
+
 def test_servers_start_together_only_with_fixed_pools_and_all_stop_when_one_fails(tmp_path, monkeypatch):
     """A fixed pool makes a neighbour's start harmless; one failed start stops the others."""
     with pytest.raises(ValueError, match="--max-total-tokens"):

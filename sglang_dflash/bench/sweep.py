@@ -351,9 +351,12 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
     with contextlib.ExitStack() as stack:
         servers, launched = [], []
         stack.callback(lambda: stop_all(launched))  # together: one drain window, not one per server
+        # Launched at once, each server loads while its neighbours do: its share must also hold theirs.
+        neighbours = sum(server_bytes(spec, args.kv_cache_gb) for spec in specs) if args.start_together else 0
         for spec in specs:
             if sized:
-                spec = with_memory_fraction(spec, args.kv_cache_gb)
+                spec = with_memory_fraction(spec, args.kv_cache_gb, neighbours - server_bytes(spec, args.kv_cache_gb)
+                                            if neighbours else 0)
             log = os.path.join(log_dir, f"server-{spec.label}.log")
             server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
             launched.append(server)
@@ -379,18 +382,30 @@ def start_or_report(server: Server, started: list, failures: list, launch: bool 
     started.append(server)
 
 
-def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float) -> ServerSpec:
-    """The spec with a ``--mem-fraction-static`` that fits its weights and ``kv_cache_gb`` of KV into
-    the memory free now: servers started one after another then all fit, on any release."""
-    free = gpu_free_bytes()
+def weights_bytes(spec: ServerSpec) -> int:
     weights = checkpoint_bytes(spec.model_path)
     if spec.impl in DFLASH_IMPLS:
         weights += checkpoint_bytes(spec.draft_model_path)
+    return weights
+
+
+def server_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
+    return weights_bytes(spec) + int(kv_cache_gb * (1 << 30))
+
+
+def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float, neighbours_bytes: int = 0) -> ServerSpec:
+    """The spec with a ``--mem-fraction-static`` that fits its weights and ``kv_cache_gb`` of KV into
+    the memory free now: servers started one after another then all fit, on any release. Servers
+    launched at once also count what their neighbours take while they load (``neighbours_bytes``):
+    SGLang sizes the pool from the memory free before and after its own load."""
+    free = gpu_free_bytes()
+    weights = weights_bytes(spec)
     if not free or not weights:
         return spec
-    fraction = memory_fraction(weights, free, int(kv_cache_gb * (1 << 30)))
+    fraction = memory_fraction(weights + neighbours_bytes, free, int(kv_cache_gb * (1 << 30)))
+    beside = f", {neighbours_bytes / 1e9:.1f} GB for neighbours loading alongside" if neighbours_bytes else ""
     print(f"[{spec.label}] --mem-fraction-static {fraction} ({weights / 1e9:.1f} GB of weights, "
-          f"{kv_cache_gb:g} GiB of KV, {free / 1e9:.1f} GB free)", flush=True)
+          f"{kv_cache_gb:g} GiB of KV{beside}, {free / 1e9:.1f} GB free)", flush=True)
     return replace(spec, extra_args=[*spec.extra_args, "--mem-fraction-static", str(fraction)])
 
 
