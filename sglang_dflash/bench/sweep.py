@@ -352,11 +352,11 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         servers, launched = [], []
         stack.callback(lambda: stop_all(launched))  # together: one drain window, not one per server
         # Launched at once, each server loads while its neighbours do: its share must also hold theirs.
-        neighbours = sum(server_bytes(spec, args.kv_cache_gb) for spec in specs) if args.start_together else 0
+        everyone = sum(server_bytes(spec, args.kv_cache_gb) for spec in specs) if args.start_together else 0
         for spec in specs:
             if sized:
-                spec = with_memory_fraction(spec, args.kv_cache_gb, neighbours - server_bytes(spec, args.kv_cache_gb)
-                                            if neighbours else 0)
+                others = everyone - server_bytes(spec, args.kv_cache_gb) if everyone else 0
+                spec = with_memory_fraction(spec, args.kv_cache_gb, others)
             log = os.path.join(log_dir, f"server-{spec.label}.log")
             server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
             launched.append(server)
