@@ -70,6 +70,7 @@ class StepCosts:
 
     def __init__(self, window: int = 8):
         self.samples: dict[tuple[int, int], deque] = {}
+        self.seconds: dict[tuple[int, int], float] = {}  # each key's estimate, kept as samples arrive
         self.seen: Counter = Counter()
         self.window = window
 
@@ -77,25 +78,22 @@ class StepCosts:
         key = (width, bucket(bs))
         self.seen[key] += 1
         if self.seen[key] > 1:
-            self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+            samples = self.samples.setdefault(key, deque(maxlen=self.window))
+            samples.append(seconds)
+            self.seconds[key] = sorted(samples)[(len(samples) - 1) // 2]
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
 
     def estimate(self, width: int, bs: int) -> Optional[float]:
-        samples = self.samples.get((width, bucket(bs)))
-        return sorted(samples)[(len(samples) - 1) // 2] if samples else None
+        return self.seconds.get((width, bucket(bs)))
 
     def lower_bound(self, width: int, bs: int) -> Optional[float]:
         """What a step at (width, bs) costs at least, from the other keys measured: a narrower
         width or a smaller batch never costs more. None when no such key was measured."""
         b = bucket(bs)
-        below = [self.estimate(w, k) for (w, k) in self.samples if w <= width and k <= b and (w, k) != (width, b)]
+        below = [s for (w, k), s in self.seconds.items() if w <= width and k <= b and (w, k) != (width, b)]
         return max(below) if below else None
-
-    @property
-    def seconds(self) -> dict[tuple[int, int], float]:
-        return {key: self.estimate(key[0], key[1]) for key in self.samples}
 
 
 class WidthPolicy:
