@@ -220,7 +220,6 @@ def allow_logprobs_hook(original, req, *args, **kwargs):
     return original(_WithoutLogprobs(req) if _serving else req, *args, **kwargs)
 
 
-
 def server_info_hook(original, scheduler, recv_req):
     """``/get_server_info``: the plugin's worker adds what only it knows under ``dflash``."""
     out = original(scheduler, recv_req)
