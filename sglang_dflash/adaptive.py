@@ -39,6 +39,7 @@ class AcceptanceByPosition:
         self.prior, self.prior_weight = prior, prior_weight  # pseudo-counts: a position never seen has `prior`
         self.accepted = [0.0] * block_size  # index k: draft k (1-based; 0 unused)
         self.tested = [0.0] * block_size
+        self._expected: Optional[list[float]] = None  # by width, until the next update
 
     def update(self, accept_lens: Sequence[int], width: int) -> None:
         """One step's accepted-draft counts (bonus excluded), one per request, at ``width``."""
@@ -49,17 +50,21 @@ class AcceptanceByPosition:
             for k in range(1, min(a + 1, width - 1) + 1):  # drafts 1..a+1 were judged (while < width)
                 self.tested[k] += 1
                 self.accepted[k] += k <= a
+        self._expected = None
 
     def rate(self, k: int) -> float:
         return (self.accepted[k] + self.prior * self.prior_weight) / (self.tested[k] + self.prior_weight)
 
     def expected_tokens(self, width: int) -> float:
         """Mean tokens a step at ``width`` commits, the bonus included."""
-        total, run = 1.0, 1.0
-        for k in range(1, width):
-            run *= self.rate(k)
-            total += run
-        return total
+        if self._expected is None:  # every width at once: the policy asks many times a step
+            totals, total, run = [0.0, 1.0], 1.0, 1.0
+            for k in range(1, self.block_size):
+                run *= self.rate(k)
+                total += run
+                totals.append(total)
+            self._expected = totals
+        return self._expected[width]
 
 
 class StepCosts:
