@@ -118,7 +118,7 @@ class WidthPolicy:
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
-                 margin: float = 0.2):
+                 margin: float = 0.1):
         self.widths = tuple(widths or candidate_widths(block_size))
         if max(self.widths) > block_size or min(self.widths) < 1:
             raise ValueError(f"widths must lie in 1..{block_size}, got {self.widths}")

@@ -155,8 +155,10 @@ def test_with_every_draft_accepted_narrow_widths_are_rarely_tried():
     assert sum(n for w, n in used.items() if w < 16) <= 16, used
 
 
-def test_with_no_draft_accepted_the_policy_stays_within_three_percent_of_plain_steps():
-    """The rig's random weights: width 1 (a verify of the bonus alone) at each bucket's cost."""
+def test_with_no_draft_accepted_the_policy_stays_within_one_and_a_half_percent_of_plain_steps():
+    """The rig's random weights: width 1 (a verify of the bonus alone) at each bucket's cost. Seen
+    on the GPU (triton, session 16): re-measuring every width within 20% of the choice kept
+    widths 2-16 in 14% of the steps; the policy lost 1.8% here then."""
     policy = WidthPolicy(16)
     rng = random.Random(5)
     spent = []
@@ -164,7 +166,34 @@ def test_with_no_draft_accepted_the_policy_stays_within_three_percent_of_plain_s
     policy.record = lambda w, bs, lens, seconds: spent.append((w, bs, seconds)) or record(w, bs, lens, seconds)
     run_levels(policy, 0.0, RIG_RANDOM_MS, [1, 8, 32, 64], rng)
     width_1_only = sum(rig_ms(RIG_RANDOM_MS, 1, bs) / 1000 for _, bs, _ in spent)
-    assert sum(seconds for _, _, seconds in spent) <= 1.03 * 1.025 * width_1_only  # 1.025: the noise's mean
+    assert sum(seconds for _, _, seconds in spent) <= 1.015 * 1.025 * width_1_only  # 1.025: the noise's mean
+
+
+def test_host_bound_noisy_steps_keep_the_full_block():
+    """Seen on the GPU (SmolLM2 on an H100, session 16): a step is host work, about the same at
+    every width and noisy by up to 30%, so a narrower width commits fewer tokens and saves no
+    time. With a 20% re-measurement margin the policy lost 1.5-2.5% to fixed 16 here."""
+    levels, p = [1, 2, 4, 8, 16, 32, 64], 0.72  # about 3.5 tokens a step at width 16
+
+    def tokens_per_second(policy, seed):
+        rng, tokens, seconds = random.Random(seed), 0, 0.0
+        for bs in levels:
+            for _ in range(300):
+                w = policy.choose(bs) if policy else 16
+                lens = []
+                for _ in range(bs):
+                    a = 0
+                    while a < w - 1 and rng.random() < p:
+                        a += 1
+                    lens.append(a)
+                cost = (4.6 if w == 1 else 4.9) * (1 + 0.3 * (2 * rng.random() - 1)) / 1000
+                if policy:
+                    policy.record(w, bs, lens, cost)
+                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
+        return tokens / seconds
+
+    for seed in range(3):
+        assert tokens_per_second(WidthPolicy(16), seed) >= 0.985 * tokens_per_second(None, seed)
 
 
 def test_near_equal_widths_do_not_flip_on_noise():
