@@ -65,6 +65,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from . import compat
 from .adaptive import make_width_policy
 from .config import DFlashConfigError, TargetInfo, verify_widths, width_policy_kind
+from .host_pauses import process_pauses
 from .ops import accept_block, prepare_block
 from .sampling import OutputCounts, to_device_async
 
@@ -240,6 +241,7 @@ class DFlashWorker(BaseSpecWorker):
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
+        process_pauses()  # from now on, for /get_server_info
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
@@ -330,9 +332,10 @@ class DFlashWorker(BaseSpecWorker):
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
 
     def server_info(self) -> dict:
-        """``/get_server_info``'s ``dflash`` entry: the block and, with adaptive width, the widths
-        chosen so far (decode steps per width)."""
-        info = {"block_size": self.block_size, "widths": list(self.widths)}
+        """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
+        allocator retries) and, with adaptive width, the widths chosen so far (decode steps per width)."""
+        info = {"block_size": self.block_size, "widths": list(self.widths),
+                "host_pauses": process_pauses().report(getattr(self, "device", None))}
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}

@@ -406,14 +406,37 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     scheduler = SimpleNamespace(draft_worker=worker)
     monkeypatch.setattr(integration, "_serving", True)
     state = integration.server_info_hook(sglang_state, scheduler, None).internal_state
+    pauses = state["dflash"].pop("host_pauses")
+    assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2}}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
-    assert integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"] == {
-        "block_size": 16, "widths": [16]}
+    fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
+    assert fixed.pop("host_pauses") and fixed == {"block_size": 16, "widths": [16]}
     monkeypatch.setattr(integration, "_serving", False)
     assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state
+
+
+def test_host_pauses_count_full_collections_and_time_the_longest():
+    import gc
+    import time
+
+    from sglang_dflash.host_pauses import HostPauses
+
+    pauses = HostPauses()
+    try:
+        gc.collect(0)  # a young collection is not a full one
+        assert pauses.report()["gc_full_collections"] == 0
+        pauses._on_gc("start", {"generation": 2})
+        time.sleep(0.02)
+        pauses._on_gc("stop", {"generation": 2})
+        gc.collect()
+        report = pauses.report()
+        assert report["gc_full_collections"] == 2
+        assert 20 <= report["gc_longest_ms"] <= report["gc_total_ms"]
+    finally:
+        gc.callbacks.remove(pauses._on_gc)
 
 
 # ---- width 1 as a plain DECODE forward of the target ----------------------------------------------
