@@ -310,6 +310,11 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     rows = {r["label"]: r for r in res["rows"]}
     assert rows["ar"]["requests"] == rows["plugin"]["requests"] == 3
     assert len(rows["plugin"]["wave_tok_s"]) == 3 and rows["plugin"]["accept_length"] > 2
+    assert len(rows["plugin"]["wave_ttft_p99_ms"]) == 3
+    # The plugin's host-pause counts after each of its waves (the fake counts requests served).
+    gcs = [p["gc_full_collections"] for p in rows["plugin"]["wave_host_pauses"]]
+    assert len(gcs) == 3 and gcs == sorted(gcs) and gcs[0] < gcs[-1]
+    assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
     per_request = rows["plugin"]["per_request"]
     assert len(per_request) == 3 and sum(t for t, _ in per_request) == rows["plugin"]["output_tokens"]
     assert sum(v for _, v in per_request) == rows["plugin"]["spec_verify_ct"]

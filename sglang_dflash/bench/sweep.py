@@ -30,6 +30,7 @@ import re
 import shlex
 import sys
 from dataclasses import replace
+from typing import Optional
 
 from . import rig
 from .cli import comma_list, parser
@@ -230,6 +231,11 @@ def compile_every_level(url: str, label: str, datasets: dict, concurrencies: lis
             run_requests(url, payloads[:conc], conc, desc=f"{label} {dataset} c{conc} compile")
 
 
+def host_pauses(url: str) -> Optional[dict]:
+    """The plugin's count of full GCs and allocator retries so far (None from other servers)."""
+    return (server_info(url).get("dflash") or {}).get("host_pauses")
+
+
 def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list, wall: float) -> dict:
     row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
     # In workload order, so a request can be set beside another implementation's or a reference run's.
@@ -268,15 +274,22 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
             work = level_workload(payloads, conc, args.waves)
             waves = [work[i:i + conc] for i in range(0, len(work), conc)]
             waves_run = {server.spec.label: [] for server in servers}  # (results, wall) per wave
+            pauses = {server.spec.label: [] for server in servers}  # the plugin's host pauses after each wave
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
                 for server in servers[k % len(servers):] + servers[:k % len(servers)]:
                     waves_run[server.spec.label].append(
                         run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
+                    pauses[server.spec.label].append(host_pauses(server.url))
             for server in servers:
                 runs = waves_run[server.spec.label]
                 results = [r for wave_results, _ in runs for r in wave_results]
                 row = level_row(server.url, server.spec, dataset, conc, results, sum(wall for _, wall in runs))
                 row["wave_tok_s"] = [round(summarize(*run)["output_tok_s"], 1) for run in runs]
+                # A slow wave's first tokens, and what the server paused for meanwhile (full GCs,
+                # allocator retries: cumulative counts, so a wave's share is the step from the last).
+                row["wave_ttft_p99_ms"] = [summarize(*run)["ttft_p99_ms"] for run in runs]
+                if any(pauses[server.spec.label]):
+                    row["wave_host_pauses"] = pauses[server.spec.label]
                 rows.append(row)
             if on_level:
                 on_level(rows)
