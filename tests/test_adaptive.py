@@ -73,16 +73,21 @@ def test_acceptance_by_position_learns_each_positions_rate_and_the_expected_toke
     assert fresh.tested[2] == 0 and fresh.rate(1) > 0.5 and fresh.rate(2) == 0.5
 
 
+def accepted_drafts(rng, bs, width, p):
+    """Each request's accepted drafts in a step at ``width``: each draft accepted with chance p."""
+    lens = []
+    for _ in range(bs):
+        a = 0
+        while a < width - 1 and rng.random() < p:
+            a += 1
+        lens.append(a)
+    return lens
+
+
 def run_policy(policy, bs, p, cost, steps, rng):
     for _ in range(steps):
         w = policy.choose(bs)
-        lens = []
-        for _ in range(bs):
-            a = 0
-            while a < w - 1 and rng.random() < p:
-                a += 1
-            lens.append(a)
-        policy.record(w, bs, lens, cost(w, bs))
+        policy.record(w, bs, accepted_drafts(rng, bs, w, p), cost(w, bs))
 
 
 @pytest.mark.parametrize("bs, p, best", [
@@ -180,12 +185,7 @@ def test_host_bound_noisy_steps_keep_the_full_block():
         for bs in levels:
             for _ in range(300):
                 w = policy.choose(bs) if policy else 16
-                lens = []
-                for _ in range(bs):
-                    a = 0
-                    while a < w - 1 and rng.random() < p:
-                        a += 1
-                    lens.append(a)
+                lens = accepted_drafts(rng, bs, w, p)
                 cost = (4.6 if w == 1 else 4.9) * (1 + 0.3 * (2 * rng.random() - 1)) / 1000
                 if policy:
                     policy.record(w, bs, lens, cost)
