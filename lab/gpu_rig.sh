@@ -5,7 +5,9 @@
 #   bash lab/gpu_rig.sh bench WEIGHTS BACKEND OUTDIR     ar, plugin and built-in interleaved, c1/c8/c32
 # WEIGHTS: zero (every draft accepted) or random (tau ~ 1); BACKEND: fa3, triton or flashinfer.
 # SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES,
-# CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 8; 1,8,32; 32).
+# CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 8; 1,8,32; 32); EXTRA_FLAGS
+# go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
+# WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
@@ -17,7 +19,7 @@ case $version in
     0.5.17|0.5.18|0.5.19) graphs="--disable-piecewise-cuda-graph --cuda-graph-max-bs ${GRAPH_BS:-32}" ;;
     *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode ${GRAPH_BS:-32}" ;;
 esac
-flags="--attention-backend $backend $graphs --log-level warning"
+flags="--attention-backend $backend $graphs --log-level warning ${EXTRA_FLAGS:-}"
 # SGLang caps a speculative server at 48 running requests; beyond that every level's servers must
 # run all their requests, or DFLASH runs c64 in two rounds where plain decoding runs one.
 [ "${GRAPH_BS:-32}" -gt 48 ] && flags+=" --max-running-requests $GRAPH_BS"
@@ -26,7 +28,8 @@ mkdir -p "$out"
 case $mode in
     profile)
         python3 -m sglang_dflash.bench.profile_step --rig "$weights" --impls "${IMPLS:-plugin,builtin}" \
-            --concurrency "$concs" --steps 20 --max-new-tokens 2048 --trace-dir /tmp/traces-$weights-$backend \
+            --concurrency "$concs" --steps 20 --trace-dir /tmp/traces-$weights-$backend \
+            $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens 2048") \
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)
         python3 -m sglang_dflash.bench.sweep --rig "$weights" --impls "${IMPLS:-ar,plugin,builtin}" --interleave \

@@ -21,10 +21,10 @@ from sglang_dflash.train import __main__ as train_cli
 from sglang_dflash.train import plot as train_plot
 from sglang_dflash.bench.client import RequestResult, get_json
 from sglang_dflash.bench.pool import main as pool_main
-from sglang_dflash.bench.profile_step import summarize_trace, worker_steps
+from sglang_dflash.bench.profile_step import first_token_path, summarize_trace, worker_steps
 from sglang_dflash.bench.report import paired_wave_table, plot
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
-from sglang_dflash.bench.stats import paired_ratio_stats, side_by_side, summarize
+from sglang_dflash.bench.stats import paired_ratio_stats, side_by_side, summarize, ttft_parts, ttft_parts_summary
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -198,6 +198,20 @@ def test_summary_percentiles_and_accept_length():
     s = summarize(rs, wall_s=4.0)  # TPOT = (latency - ttft) / (tokens - 1) = 0.1 s for both
     assert s["output_tok_s"] == 10.0 and s["accept_length"] == 4.0 and s["errors"] == 1
     assert s["ttft_p50_ms"] == 200.0 and s["tpot_p50_ms"] == 100.0 and s["first_error"] == "boom"
+
+
+def test_first_token_time_is_split_at_the_servers_timestamps():
+    meta = {"request_received_ts": 100.002, "forward_entry_time": 100.010, "prefill_finished_time": 100.030,
+            "first_token_latency": 0.031, "queue_time": 0.005}
+    timed = RequestResult(ok=True, ttft=0.040, latency=1.0, sent_at=100.0, meta=meta)
+    untimed = RequestResult(ok=True, ttft=0.5, latency=1.0, sent_at=100.0)  # a server without --enable-metrics
+    parts = ttft_parts(timed)
+    assert parts == pytest.approx({"http_in": 0.002, "to_batch": 0.008, "prefill": 0.020, "to_tokenizer": 0.003,
+                                   "http_out": 0.007})
+    assert sum(parts.values()) == pytest.approx(timed.ttft)
+    assert ttft_parts(untimed) is None and ttft_parts_summary([untimed]) is None
+    summary = ttft_parts_summary([timed, untimed])
+    assert summary["requests"] == 1 and summary["prefill"] == 20.0 and summary["queue"] == 5.0
 
 
 def test_skip_launch_against_a_running_server(tmp_path, chat_model, data_dir):
@@ -711,3 +725,29 @@ def test_a_sigterm_during_the_stop_waits_until_every_server_is_down(tmp_path):
     for pid in pids:  # reaped by the client before it exited, not left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_first_token_path_follows_the_prefill_to_its_streamed_result():
+    ev = lambda name, cat, ts, dur, tid=1, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts,  # noqa: E731
+                                                    "dur": dur, "pid": 0, "tid": tid, "args": args}
+    fbg = "sglang_dflash/worker.py(1): forward_batch_generation"
+    events = [
+        ev(fbg, "python_function", 1000, 3000),  # the prefill's host call
+        ev("cudaLaunchKernel", "cuda_runtime", 1100, 5, correlation=1),
+        ev("cudaLaunchKernel", "cuda_runtime", 3900, 5, correlation=2),
+        ev("prefill_gemm", "kernel", 1200, 6000, tid=7, correlation=1),
+        ev("lm_head", "kernel", 7200, 800, tid=7, correlation=2),
+        ev(fbg, "python_function", 5000, 2000),  # the next step, launched before the result is read
+        ev("cudaLaunchKernel", "cuda_runtime", 5100, 5, correlation=3),
+        ev("verify", "kernel", 8000, 9000, tid=7, correlation=3),
+        ev("cudaStreamSynchronize", "cuda_runtime", 6000, 1500, correlation=4),  # a wait inside the step
+        ev("batch_result_processor.py(258): process_batch_result_prefill", "python_function", 8100, 400),
+        ev("output_streamer.py(135): stream_output", "python_function", 8300, 100),
+        ev("other thread", "python_function", 0, 10, tid=2),
+    ]
+    path = first_token_path(events)
+    assert path["prefill_host"] == [0.0, 3.0] and path["prefill_gpu"] == [0.2, 7.0]
+    assert path["next_step_host"] == [4.0, 6.0] and path["result_processed"] == [7.1, 7.5]
+    assert path["first_tokens_streamed"] == 7.4
+    assert path["host_waits"] == [[5.0, 1.5, "cudaStreamSynchronize"]]
+    assert first_token_path([e for e in events if "process_batch_result" not in e["name"]]) is None

@@ -50,6 +50,7 @@ class RequestResult:
     error: str = ""
     meta: dict = field(default_factory=dict)
     aborted: bool = False  # the client closed the stream on purpose
+    sent_at: float = 0.0  # wall clock (time.time) at the request's send, beside the server's timestamps
 
     @property
     def tpot(self) -> Optional[float]:
@@ -68,7 +69,7 @@ def generate_stream(base_url: str, payload: dict, timeout: float = 600,
     req = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    res = RequestResult(ok=False)
+    res = RequestResult(ok=False, sent_at=time.time())
     last, chunks = None, 0
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:

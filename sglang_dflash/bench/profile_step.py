@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from typing import Optional
 
 from . import rig
 from .cli import comma_list, parser
@@ -64,20 +65,62 @@ def caller_label(frames: list[dict]) -> str:
     return OUTSIDE
 
 
-def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
-    """Per-step host time by Python function (inclusive, scheduler thread), GPU kernel totals, and
-    each kernel's time by the worker call that launched it."""
+def scheduler_thread(events: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Complete events, and the scheduler thread's (the one with the most Python time) Python
+    frames and CUDA runtime calls."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    kernels = [e for e in complete if e.get("cat") == "kernel"]
     python = [e for e in complete if e.get("cat") == "python_function"]
-    # The scheduler thread is the one with the most Python time.
     per_thread = defaultdict(float)
     for e in python:
         per_thread[(e.get("pid"), e.get("tid"))] += e["dur"]
     main = max(per_thread, key=per_thread.get) if per_thread else None
     on_main = lambda e: (e.get("pid"), e.get("tid")) == main  # noqa: E731
-    python = [e for e in python if on_main(e)]
-    runtime = [e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and on_main(e)]
+    return (complete, [e for e in python if on_main(e)],
+            [e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and on_main(e)])
+
+
+def first_token_path(events: list[dict]) -> Optional[dict]:
+    """Wave mode: from the wave's prefill call to the scheduler streaming its first tokens, in ms
+    from the prefill call's start: the prefill's host call and GPU work, the next step's launch
+    (the overlap scheduler launches it before it processes the prefill's result), the result
+    processing, and every wait of the host on the GPU in between."""
+    complete, python, runtime = scheduler_thread(events)
+    worker = sorted((e for e in python if e["name"].endswith(": forward_batch_generation")
+                     and any(k in e["name"] for k in SPEC_CODE)), key=lambda e: e["ts"])
+    if not worker:
+        return None
+    prefill = worker[0]
+    t0 = prefill["ts"]
+    after = lambda name: next((e for e in sorted(python, key=lambda e: e["ts"])  # noqa: E731
+                               if e["ts"] >= t0 and e["name"].endswith(name)), None)
+    processed, streamed = after(": process_batch_result_prefill"), after(": stream_output")
+    if processed is None:
+        return None
+    end = processed["ts"] + processed["dur"]
+    ms = lambda us: round(us / 1000, 3)  # noqa: E731
+    inside = lambda e, outer: outer["ts"] <= e["ts"] <= outer["ts"] + outer["dur"]  # noqa: E731
+    launched = {e.get("args", {}).get("correlation") for e in runtime if inside(e, prefill)}
+    prefill_kernels = [e for e in complete if e.get("cat") == "kernel"
+                       and e.get("args", {}).get("correlation") in launched]
+    out = {"prefill_host": [0.0, ms(prefill["dur"])]}
+    if prefill_kernels:
+        out["prefill_gpu"] = [ms(min(e["ts"] for e in prefill_kernels) - t0),
+                              ms(max(e["ts"] + e["dur"] for e in prefill_kernels) - t0)]
+    if len(worker) > 1 and worker[1]["ts"] < end:
+        out["next_step_host"] = [ms(worker[1]["ts"] - t0), ms(worker[1]["ts"] + worker[1]["dur"] - t0)]
+    out["result_processed"] = [ms(processed["ts"] - t0), ms(end - t0)]
+    if streamed is not None:
+        out["first_tokens_streamed"] = ms(streamed["ts"] + streamed["dur"] - t0)
+    out["host_waits"] = [[ms(e["ts"] - t0), ms(e["dur"]), e["name"]] for e in sorted(runtime, key=lambda e: e["ts"])
+                         if t0 <= e["ts"] <= end and re.search(r"Synchronize|Memcpy", e["name"]) and e["dur"] >= 50]
+    return out
+
+
+def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
+    """Per-step host time by Python function (inclusive, scheduler thread), GPU kernel totals, and
+    each kernel's time by the worker call that launched it."""
+    complete, python, runtime = scheduler_thread(events)
+    kernels = [e for e in complete if e.get("cat") == "kernel"]
     by_function, self_time = defaultdict(float), defaultdict(float)
     calls = defaultdict(int)
     callers = {}  # correlation id of a launch -> caller_label
@@ -249,6 +292,7 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> d
     report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
     report["phases_us_per_step"] = phase_table(report)
     if wave is not None:
+        report["first_token_path_ms"] = first_token_path(events)
         report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
                                                "accept_length", "wall_s", "output_tok_s")}
     return report

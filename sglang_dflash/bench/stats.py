@@ -55,6 +55,43 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     }
 
 
+# Where a request's first token time goes, from the timestamps SGLang adds to the last chunk's
+# meta_info under --enable-metrics (wall clock, as the client's send time).
+TTFT_PARTS = (
+    ("http_in", "the client's send until the tokenizer manager has the request"),
+    ("to_batch", "tokenizer, scheduler hand-off and queue, until a prefill batch takes the request"),
+    ("prefill", "prefill launch, forward and the next batch's launch, until its result is processed"),
+    ("to_tokenizer", "detokenizer hand-off of the first token"),
+    ("http_out", "until the client reads the first chunk"),
+)
+
+
+def ttft_parts(r: RequestResult) -> Optional[dict]:
+    """One request's first-token time in the parts of ``TTFT_PARTS`` (seconds), or None when the
+    server sent no timestamps (started without --enable-metrics) or the request failed."""
+    m = r.meta
+    keys = ("request_received_ts", "forward_entry_time", "prefill_finished_time", "first_token_latency")
+    if not (r.ok and r.ttft is not None and r.sent_at and all(m.get(k) for k in keys)):
+        return None
+    at_tokenizer = m["request_received_ts"] + m["first_token_latency"]
+    marks = (r.sent_at, m["request_received_ts"], m["forward_entry_time"], m["prefill_finished_time"],
+             at_tokenizer, r.sent_at + r.ttft)
+    return {name: b - a for (name, _), a, b in zip(TTFT_PARTS, marks, marks[1:])}
+
+
+def ttft_parts_summary(results: list[RequestResult]) -> Optional[dict]:
+    """Median of each part over the requests that carry timestamps (ms), with the queue time
+    SGLang reports apart (it is inside ``to_batch``)."""
+    parts = [(p, r.meta.get("queue_time")) for r in results if (p := ttft_parts(r)) is not None]
+    if not parts:
+        return None
+    out = {name: _ms(percentile([p[name] for p, _ in parts], 50)) for name, _ in TTFT_PARTS}
+    queue = [q for _, q in parts if q is not None]
+    out["queue"] = _ms(percentile(queue, 50)) if queue else None
+    out["requests"] = len(parts)
+    return out
+
+
 def add_speedups(rows: list[dict]) -> None:
     """speedup = tok/s / AR tok/s at the same dataset and concurrency."""
     ar = {(r["dataset"], r["concurrency"]): r["output_tok_s"] for r in rows if r["impl"] == "ar"}

@@ -41,7 +41,8 @@ from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, checkpoint_bytes, cpu_slices, gpu_free_bytes,
     exit_on_sigterm, is_implementation, memory_fraction, split_block_size, stop_all,
 )
-from .stats import add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize
+from .stats import (add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize,
+                    ttft_parts_summary)
 
 REPORT_SETTINGS = ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts")
 # What --from-results also takes from the first sweep's settings, to rebuild a --rig sweep's step table.
@@ -240,6 +241,9 @@ def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list
     row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
     # In workload order, so a request can be set beside another implementation's or a reference run's.
     row["per_request"] = [[r.completion_tokens, r.spec_verify_ct] if r.ok else None for r in results]
+    parts = ttft_parts_summary(results)  # servers started with --enable-metrics
+    if parts is not None:
+        row["ttft_parts_ms"] = parts
     row["server_after"] = server_info(url)
     row["kv_after"] = kv_loads(url)
     acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""
