@@ -91,8 +91,8 @@ def first_token_path(events: list[dict]) -> Optional[dict]:
         return None
     prefill = worker[0]
     t0 = prefill["ts"]
-    after = lambda name: next((e for e in sorted(python, key=lambda e: e["ts"])  # noqa: E731
-                               if e["ts"] >= t0 and e["name"].endswith(name)), None)
+    later = sorted((e for e in python if e["ts"] >= t0), key=lambda e: e["ts"])
+    after = lambda name: next((e for e in later if e["name"].endswith(name)), None)  # noqa: E731
     processed, streamed = after(": process_batch_result_prefill"), after(": stream_output")
     if processed is None:
         return None

@@ -288,10 +288,11 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
                 runs = waves_run[server.spec.label]
                 results = [r for wave_results, _ in runs for r in wave_results]
                 row = level_row(server.url, server.spec, dataset, conc, results, sum(wall for _, wall in runs))
-                row["wave_tok_s"] = [round(summarize(*run)["output_tok_s"], 1) for run in runs]
+                per_wave = [summarize(*run) for run in runs]
+                row["wave_tok_s"] = [round(w["output_tok_s"], 1) for w in per_wave]
                 # A slow wave's first tokens, and what the server paused for meanwhile (full GCs,
                 # allocator retries: cumulative counts, so a wave's share is the step from the last).
-                row["wave_ttft_p99_ms"] = [summarize(*run)["ttft_p99_ms"] for run in runs]
+                row["wave_ttft_p99_ms"] = [w["ttft_p99_ms"] for w in per_wave]
                 if any(pauses[server.spec.label]):
                     row["wave_host_pauses"] = pauses[server.spec.label]
                 rows.append(row)
