@@ -6,11 +6,16 @@ new prompt shape costs the float32 Triton attention a ~20 s compile on SGLang 0.
 is rewritten after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
-                                [--widths auto [--width-policy cycle]]
+                                [--widths auto [--width-policy cycle]] [--context-ab 64]
 
 Greedy prompts must match AR exactly (float32, IEEE dots); a stop/budget workload puts stop tokens
 and budgets inside verify blocks and must match AR's tokens and finish reasons; both KV pools must
 be back to 0 afterwards. Exit 1 on any mismatch.
+
+``--context-ab N`` also starts the plugin with the draft context written by eager launches after
+the accept (``SGLANG_DFLASH_CONTEXT_IN_GRAPH=0``) and sends the first N greedy prompts one at a time
+to both plugin servers: the drafts must be the same, so every request must take as many verify
+steps on either (the in-graph write also fills rejected rows, which must never be read).
 """
 
 import argparse
@@ -58,6 +63,9 @@ def main():
     parser.add_argument("--widths", default="", help="the plugin's SGLANG_DFLASH_WIDTHS (adaptive width), e.g. auto")
     parser.add_argument("--width-policy", default="cycle",
                         help="with --widths: SGLANG_DFLASH_WIDTH_POLICY (default cycle: a new width every step)")
+    parser.add_argument("--context-ab", type=int, default=0, metavar="N",
+                        help="compare the verify steps of N prompts, one at a time, with the draft context "
+                             "written in the verify graphs and after the accept (default 0: not run)")
     args = parser.parse_args()
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
@@ -78,15 +86,32 @@ def main():
         "plugin": Server(ServerSpec("plugin", target, draft, args.block, FLAGS, {**ENV, **widths}),
                          log_path=os.path.join(args.out, "server-plugin.log"), timeout_s=420),
     }
+    if args.context_ab:
+        servers["plugin-eager-context"] = Server(
+            ServerSpec("plugin-eager-context", target, draft, args.block, FLAGS,
+                       {**ENV, **widths, "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}),
+            log_path=os.path.join(args.out, "server-plugin-eager-context.log"), timeout_s=420)
     greedy, stops = workload(args.prompts, args.new_tokens, vocab)
     try:
-        start_together(list(servers.values()))  # fixed pools: neither start can shrink the other's
+        start_together(list(servers.values()))  # fixed pools: no start can shrink another's
         save(stage="servers up")
+        pair = {k: servers[k] for k in ("ar", "plugin")}
         with ThreadPoolExecutor(2) as pool:
-            outs = dict(zip(servers, pool.map(
+            outs = dict(zip(pair, pool.map(
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
-                servers.values())))
+                pair.values())))
         plugin_info = server_info(servers["plugin"].url).get("dflash")
+        if args.context_ab:
+            save(stage="context a/b")
+            one_by_one = greedy[: args.context_ab]
+            with ThreadPoolExecutor(2) as pool:
+                ab = dict(zip(("plugin", "plugin-eager-context"), pool.map(
+                    lambda name: run_requests(servers[name].url, one_by_one, 1)[0], ("plugin", "plugin-eager-context"))))
+            steps = {k: [r.spec_verify_ct for r in v] for k, v in ab.items()}
+            differ = [i for i, (a, b) in enumerate(zip(steps["plugin"], steps["plugin-eager-context"])) if a != b]
+            save(context_ab={"prompts": len(one_by_one), "requests_with_other_verify_steps": len(differ),
+                             "first": differ[:10], "verify_steps": {k: sum(v) for k, v in steps.items()},
+                             "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(*ab.values()))})
     finally:
         stop_all(list(servers.values()))
     (ar_greedy, ar_stops, ar_kv), (dg, ds, dkv) = outs["ar"], outs["plugin"]
@@ -101,6 +126,8 @@ def main():
          tokens=tokens, ar_kv_after=ar_kv, plugin_kv_after=dkv, plugin_dflash=plugin_info)
     print(json.dumps(record))
     clean = not greedy_div and not stop_div and not errors
+    if args.context_ab:
+        clean = clean and record["context_ab"]["requests_with_other_verify_steps"] == 0 and record["context_ab"]["same_tokens"]
     idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in (ar_kv, dkv))
     sys.exit(0 if clean and idle else 1)
 

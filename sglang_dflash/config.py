@@ -19,6 +19,9 @@ IMPL_ENV = "SGLANG_DFLASH_IMPL"  # plugin (default) or builtin: SGLang's own DFL
 # For --dtype float32 servers (AR too): SGLang's CUDA rmsnorm and JIT q/k-norm have no float32 path.
 FP32_NORM_ENV = "SGLANG_DFLASH_FP32_NORM"  # 1 = float32 norms take SGLang's torch implementation
 FUSED_CONTEXT_KV_ENV = "SGLANG_DFLASH_FUSED_CONTEXT_KV"  # 0 = draft context K/V layer by layer (A/B runs)
+# 0 = each step's draft context K/V written by eager launches after the accept, not inside the
+# target's verify CUDA graphs (A/B runs).
+CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
 # Experimental, off unless set: the verify widths a step may choose ("auto": B, B/2, ..., 1; or a
 # list holding B, e.g. "16,4,1"), and how ("throughput", the default, or "cycle": the next width
 # every step, for lossless checks across switches).
@@ -41,6 +44,10 @@ def fp32_norms() -> bool:
 
 def fused_context_kv() -> bool:
     return os.environ.get(FUSED_CONTEXT_KV_ENV, "1") != "0"
+
+
+def context_in_verify_graph() -> bool:
+    return os.environ.get(CONTEXT_IN_GRAPH_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

@@ -168,6 +168,7 @@ class DFlashDraftModel(nn.Module):
         num_features = len(cfg.target_layer_ids) if cfg.target_layer_ids else cfg.num_hidden_layers
         self.fc = nn.Linear(num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self._stacked_kv = None  # (weight, bias, k-norm weights), built after the weights load
+        self._stacked_stale = False  # weights reloaded since: copy them into the same tensors
         self._fused_context_kv = fused_context_kv()
 
     def get_attention_sliding_window_size(self) -> Optional[int]:
@@ -200,6 +201,12 @@ class DFlashDraftModel(nn.Module):
         return [(layer.self_attn.attn, k[i], v[i]) for i, layer in enumerate(self.layers)]
 
     def _stacked_context_weights(self, ctx: torch.Tensor):
+        if self._stacked_stale and self._stacked_kv:
+            # In place: a verify CUDA graph may have captured these tensors' addresses.
+            for held, fresh in zip(self._stacked_kv, self._build_stacked_weights()):
+                if held is not None:
+                    held.copy_(fresh)
+        self._stacked_stale = False
         if self._stacked_kv is None:
             attns = [layer.self_attn for layer in self.layers]
             rope = attns[0].rotary_emb
@@ -215,13 +222,19 @@ class DFlashDraftModel(nn.Module):
                 and len({a.k_norm.variance_epsilon for a in attns}) == 1
                 and all(type(a.qkv_proj.quant_method) is UnquantizedLinearMethod for a in attns)
             )
-            if not ok:
-                self._stacked_kv = False
-            else:
-                weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
-                bias = None if attns[0].qkv_proj.bias is None else torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns])
-                self._stacked_kv = (weight, bias, torch.stack([a.k_norm.weight for a in attns]).contiguous())
+            self._stacked_kv = self._build_stacked_weights() if ok else False
         return self._stacked_kv or None
+
+    def _build_stacked_weights(self) -> tuple:
+        attns = [layer.self_attn for layer in self.layers]
+        weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+        bias = None if attns[0].qkv_proj.bias is None else torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns])
+        return weight, bias, torch.stack([a.k_norm.weight for a in attns]).contiguous()
+
+    def prepare_context_kv(self, device) -> None:
+        """Build the stacked K/V weights now, outside any CUDA-graph capture (a tensor made during
+        capture would live in the graph's private memory)."""
+        self._stacked_context_weights(torch.empty(0, device=device))
 
     @torch.no_grad()
     def forward(
@@ -244,7 +257,7 @@ class DFlashDraftModel(nn.Module):
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._stacked_kv = None  # a copy of K/V rows: rebuilt from the new weights at first use
+        self._stacked_stale = True  # a copy of K/V rows: refreshed from the new weights at next use
         params = dict(self.named_parameters())
         unloaded = set(params)
         for raw_name, tensor in weights:

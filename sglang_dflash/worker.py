@@ -64,7 +64,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import make_width_policy
-from .config import DFlashConfigError, TargetInfo, verify_widths, width_policy_kind
+from .config import DFlashConfigError, TargetInfo, context_in_verify_graph, verify_widths, width_policy_kind
 from .host_pauses import process_pauses
 from .ops import accept_block, prepare_block
 from .sampling import OutputCounts, to_device_async
@@ -203,6 +203,34 @@ class GreedyDraftHead:
         self.out[: tokens.shape[0]].copy_(tokens)
 
 
+class ContextInVerifyGraph:
+    """Draft context K/V written inside the target's verify CUDA graphs (a capture-tail hook):
+    one replay each step instead of a dozen eager launches and their Python.
+
+    Every row of the block is written, accepted or not (the accept comes after the verify). A
+    rejected row is never read: the next block starts at the first rejected position, and the
+    draft writes its own K/V over the block's slots before it attends to them.
+    """
+
+    def __init__(self, write_context_kv):
+        self.write_context_kv = write_context_kv
+        self.runners: set[int] = set()  # graph runners whose verify graphs hold the write
+
+    def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
+        if runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
+            return
+        hidden = getattr(out, "hidden_states", None)
+        if hidden is None:
+            return
+        self.write_context_kv(hidden, forward_batch.positions, forward_batch.out_cache_loc)
+        self.runners.add(id(runner))
+
+    def wrote(self, runner, ran_graph: bool) -> bool:
+        """Whether the verify that just ran wrote the context: a graph replay of a runner whose
+        graphs hold the write."""
+        return ran_graph and id(runner) in self.runners
+
+
 class DFlashWorker(BaseSpecWorker):
     """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
 
@@ -241,6 +269,12 @@ class DFlashWorker(BaseSpecWorker):
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
+        self.context_in_graph: Optional[ContextInVerifyGraph] = None
+        if context_in_verify_graph():
+            # Registered before the scheduler captures the target's graphs (it does so first).
+            self.draft_model.prepare_context_kv(self.device)
+            self.context_in_graph = ContextInVerifyGraph(self.write_context_kv)
+            self.model_runner.capture_tail_hooks.append(self.context_in_graph.capture_hook)
         process_pauses()  # from now on, for /get_server_info
         if get_parallel().tp_rank == 0:
             logger.info(
@@ -364,7 +398,7 @@ class DFlashWorker(BaseSpecWorker):
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
-        logits_output, can_run_graph = self.verify_step(batch, block)
+        logits_output, can_run_graph, context_written = self.verify_step(batch, block)
         if not can_run_graph and self.width_policy is not None:
             self.eager_verifies[width] += 1
         if grammar_tree is not None:
@@ -384,7 +418,8 @@ class DFlashWorker(BaseSpecWorker):
             self.commit_recurrent_state(batch, accepted)
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
-        self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
+        if not context_written:
+            self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
         logits_output.hidden_states = None  # never copied to the host
         if self.width_policy is not None:
             self.time_step(width, bs)
@@ -506,7 +541,9 @@ class DFlashWorker(BaseSpecWorker):
 
     def verify_step(self, batch, block: DraftBlock):
         """The target over the block's candidates (causal, one pass); returns logits and hidden
-        states. A narrower block runs on that width's own attention backend and graphs."""
+        states, whether it ran from CUDA graphs, and whether those graphs already wrote the draft
+        context (:class:`ContextInVerifyGraph`). A narrower block runs on that width's own
+        attention backend and graphs."""
         width = block.candidates.shape[1]
         if width == self.block_size:
             return self._verify(batch, block)
@@ -542,7 +579,9 @@ class DFlashWorker(BaseSpecWorker):
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        return out.logits_output, out.can_run_cuda_graph
+        written = self.context_in_graph is not None and self.context_in_graph.wrote(
+            self.model_runner.decode_cuda_graph_runner, out.can_run_cuda_graph)
+        return out.logits_output, out.can_run_cuda_graph, written
 
     def decode_step(self, batch, block: DraftBlock):
         """Width 1 as a plain decode step: the bonus token through the target's decode kernels and
@@ -567,7 +606,7 @@ class DFlashWorker(BaseSpecWorker):
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        return out.logits_output, out.can_run_cuda_graph
+        return out.logits_output, out.can_run_cuda_graph, False  # DECODE graphs do not write the context
 
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
                     penalty_rows: Optional[torch.Tensor] = None) -> Accepted:

@@ -265,7 +265,7 @@ def narrow_worker(monkeypatch, B=8):
 
     monkeypatch.setattr(worker_mod, "prepare_block", prepare_block)
     worker = object.__new__(DFlashWorker)
-    worker.block_size, worker.mask_token_id, worker.window = B, 99, None
+    worker.block_size, worker.mask_token_id, worker.window, worker.context_in_graph = B, 99, None, None
     worker.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
         req_to_token=torch.arange(4 * 64).view(4, 64) + 1000))
     worker.draft_calls = 0
@@ -504,7 +504,7 @@ def test_width_one_decodes_the_bonus_token_at_its_slot_with_the_tapped_hidden_st
     worker, batch, log, pair = width_one_worker(monkeypatch, runner)
     block = DFlashWorker.draft_step(worker, batch, StepBuffers(8, "cpu").take(2, torch.int64, 1), 1)
     committed, spec_info = batch.seq_lens, batch.spec_info
-    logits_output, ran_graph = DFlashWorker.verify_step(worker, batch, block)
+    logits_output, ran_graph, context_written = DFlashWorker.verify_step(worker, batch, block)
 
     (seen,) = log.init_new
     assert seen["forward_mode"] == ForwardMode.DECODE and seen["spec_info"] is None
@@ -519,6 +519,7 @@ def test_width_one_decodes_the_bonus_token_at_its_slot_with_the_tapped_hidden_st
     assert log.loaded == ([forward_batch] if runner == "graph" else [])
     assert log.planned == ([] if runner == "graph" else [forward_batch])
     assert log.pairs == [pair] and ran_graph == (runner == "graph")  # eager outside graphs
+    assert not context_written  # a DECODE graph holds no context write: the step commits it
     assert (worker.model_runner.attn_backend, worker.model_runner.decode_cuda_graph_runner) == ("b8", "g8")
     assert batch.seq_lens is committed and batch.seq_lens_cpu.tolist() == [5, 9] and batch.seq_lens_sum == 14
     assert batch.spec_info is spec_info
@@ -582,6 +583,71 @@ def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monke
     slots = [[1000 + 2 * 64 + 5], [1000 + 9]]
     assert written == [[[[7.0] * 6, [8.0] * 6], [5, 9], slots, [1, 1]]]  # hidden, positions, KV slots, commit
     assert eager == ({} if runner == "graph" else {1: 1})
+
+
+def test_the_targets_verify_graphs_write_the_draft_context_of_every_row():
+    """The capture-tail hook writes the tapped hidden states of every verify row at its position
+    and slot, in the target's TARGET_VERIFY graphs only, and marks the runner whose graphs hold it."""
+    from sglang_dflash.worker import ContextInVerifyGraph
+
+    written = []
+    hook = ContextInVerifyGraph(lambda *args: written.append([a.tolist() for a in args]))
+    target = SimpleNamespace(model_runner=SimpleNamespace(is_draft_worker=False))
+    draft = SimpleNamespace(model_runner=SimpleNamespace(is_draft_worker=True))
+    verify = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, positions=torch.tensor([5, 6, 9, 10]),
+                             out_cache_loc=torch.tensor([40, 41, 70, 71]))
+    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, positions=torch.tensor([5, 9]),
+                             out_cache_loc=torch.tensor([40, 70]))
+    hidden = torch.arange(8.0).view(4, 2)
+    hook.capture_hook(draft, SimpleNamespace(hidden_states=hidden), verify, 4)  # the draft's own graphs
+    hook.capture_hook(target, SimpleNamespace(hidden_states=hidden[:2]), decode, 2)  # width 1 as a decode
+    hook.capture_hook(target, SimpleNamespace(hidden_states=None), verify, 4)  # no tapped states captured
+    assert written == [] and not hook.wrote(target, True)
+    hook.capture_hook(target, SimpleNamespace(hidden_states=hidden), verify, 4)
+    assert written == [[hidden.tolist(), [5, 6, 9, 10], [40, 41, 70, 71]]]  # all rows: no accept yet
+    assert hook.wrote(target, True) and not hook.wrote(target, False) and not hook.wrote(draft, True)
+
+
+@pytest.mark.parametrize("runner", ["graph", "eager"])
+def test_a_step_whose_verify_graph_wrote_the_context_does_not_write_it_again(monkeypatch, runner):
+    """The step commits the draft context itself only when its verify did not replay a graph
+    holding the write (eager verify, or a runner captured without it); the tokens are the same."""
+    from collections import Counter, deque
+
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import ContextInVerifyGraph, DFlashWorker
+
+    class Lens(torch.Tensor):
+        def record_stream(self, stream):
+            pass
+
+    class VerifyInput:
+        def __init__(self, draft_token, positions, draft_token_num, capture_hidden_mode):
+            self.draft_token, self.positions = draft_token, positions
+
+        def prepare_for_verify(self, batch, target_worker):
+            return SimpleNamespace(input_ids=self.draft_token, positions=self.positions), None
+
+    monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
+    monkeypatch.setattr(worker_mod, "DFlashVerifyInput", VerifyInput)
+    worker, batch, log, (_, graphs) = width_one_worker(monkeypatch, runner, decodes=False)
+    written = []
+    worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
+    worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
+    worker.eager_verifies, worker.steps_in_flight = Counter(), deque()
+    worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
+    worker.time_step = lambda width, bs: None
+    worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
+    worker.context_in_graph = ContextInVerifyGraph(worker.write_context_kv)
+    worker.context_in_graph.runners.add(id(graphs))  # the width-1 runner's graphs were captured with it
+    batch.seq_lens = batch.seq_lens.as_subclass(Lens)
+    batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
+    batch.is_extend_in_batch = False
+    result = DFlashWorker.forward_batch_generation(worker, batch)
+    assert result.next_token_ids.tolist() == [22, 25] and result.new_seq_lens.tolist() == [6, 10]
+    slots = [[1000 + 2 * 64 + 5], [1000 + 9]]
+    assert written == ([] if runner == "graph" else [[[[7.0] * 6, [8.0] * 6], [5, 9], slots, [1, 1]]])
 
 
 @pytest.mark.parametrize("backend, widths, decodes", [

@@ -26,9 +26,13 @@ IMPLEMENTATIONS = {
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
     # The plugin with adaptive verify width (issue 27): every width of the block, the throughput policy.
     "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto"}),
+    # The plugin writing each step's draft context with eager launches after the accept (A/B of
+    # the write inside the target's verify graphs).
+    "plugin-eager-context": (["--speculative-algorithm", "DFLASH"],
+                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive")
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-eager-context")
 
 
 def is_implementation(name: str) -> bool:
