@@ -8,6 +8,7 @@
 # CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 8; 1,8,32; 32); EXTRA_FLAGS
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps.
+# PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
@@ -34,6 +35,7 @@ case $mode in
     bench)
         python3 -m sglang_dflash.bench.sweep --rig "$weights" --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
             --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-8}" --max-new-tokens 256 \
+            $([ "${PIN:-0}" = 1 ] && echo --pin-cpus) \
             --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
     *) echo "gpu_rig.sh: unknown mode $mode (profile or bench)" >&2; exit 2 ;;
 esac
