@@ -535,15 +535,13 @@ def torch_accept_block(candidates, target_tokens, seq_lens, accept_len, commit_l
         out.copy_(value)
 
 
-@pytest.mark.parametrize("runner", ["graph", "eager"])
-def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monkeypatch, runner):
-    """The whole step at width 1, as a DECODE forward and as the 1-token verify (the backends that
-    keep it): the same token committed after the committed lengths, the same draft K/V written
-    from the tapped hidden states, and a step outside graphs counted as eager."""
+def whole_step_worker(monkeypatch, runner: str, decodes: bool):
+    """width_one_worker's worker and batch, ready for a whole ``forward_batch_generation`` at width
+    1: SGLang's stream, verify input and accept kernel stood in for, and every draft-context write
+    recorded (hidden, positions, KV slots[, commit lengths]) in the list returned last."""
     from collections import Counter, deque
 
     import sglang_dflash.worker as worker_mod
-    from sglang_dflash.worker import DFlashWorker
 
     class Lens(torch.Tensor):
         def record_stream(self, stream):
@@ -559,19 +557,30 @@ def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monke
     monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
     monkeypatch.setattr(worker_mod, "DFlashVerifyInput", VerifyInput)
+    worker, batch, log, pair = width_one_worker(monkeypatch, runner, decodes)
+    written = []
+    worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
+    worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
+    worker.eager_verifies, worker.steps_in_flight = Counter(), deque()
+    worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
+    worker.time_step = lambda width, bs: None
+    worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
+    batch.seq_lens = batch.seq_lens.as_subclass(Lens)
+    batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
+    batch.is_extend_in_batch = False
+    return worker, batch, log, pair, written
+
+
+@pytest.mark.parametrize("runner", ["graph", "eager"])
+def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monkeypatch, runner):
+    """The whole step at width 1, as a DECODE forward and as the 1-token verify (the backends that
+    keep it): the same token committed after the committed lengths, the same draft K/V written
+    from the tapped hidden states, and a step outside graphs counted as eager."""
+    from sglang_dflash.worker import DFlashWorker
+
     steps = {}
     for decodes in (True, False):
-        worker, batch, log, _ = width_one_worker(monkeypatch, runner, decodes)
-        written = []
-        worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
-        worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
-        worker.eager_verifies, worker.steps_in_flight = Counter(), deque()
-        worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
-        worker.time_step = lambda width, bs: None
-        worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
-        batch.seq_lens = batch.seq_lens.as_subclass(Lens)
-        batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
-        batch.is_extend_in_batch = False
+        worker, batch, log, _, written = whole_step_worker(monkeypatch, runner, decodes)
         result = DFlashWorker.forward_batch_generation(worker, batch)
         assert log.init_new if decodes else not log.init_new  # the path taken
         steps[decodes] = (result.next_token_ids.tolist(), result.accept_lens.tolist(),
@@ -612,38 +621,11 @@ def test_the_targets_verify_graphs_write_the_draft_context_of_every_row():
 def test_a_step_whose_verify_graph_wrote_the_context_does_not_write_it_again(monkeypatch, runner):
     """The step commits the draft context itself only when its verify did not replay a graph
     holding the write (eager verify, or a runner captured without it); the tokens are the same."""
-    from collections import Counter, deque
-
-    import sglang_dflash.worker as worker_mod
     from sglang_dflash.worker import ContextInVerifyGraph, DFlashWorker
 
-    class Lens(torch.Tensor):
-        def record_stream(self, stream):
-            pass
-
-    class VerifyInput:
-        def __init__(self, draft_token, positions, draft_token_num, capture_hidden_mode):
-            self.draft_token, self.positions = draft_token, positions
-
-        def prepare_for_verify(self, batch, target_worker):
-            return SimpleNamespace(input_ids=self.draft_token, positions=self.positions), None
-
-    monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
-    monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
-    monkeypatch.setattr(worker_mod, "DFlashVerifyInput", VerifyInput)
-    worker, batch, log, (_, graphs) = width_one_worker(monkeypatch, runner, decodes=False)
-    written = []
-    worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
-    worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
-    worker.eager_verifies, worker.steps_in_flight = Counter(), deque()
-    worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
-    worker.time_step = lambda width, bs: None
-    worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
+    worker, batch, log, (_, graphs), written = whole_step_worker(monkeypatch, runner, decodes=False)
     worker.context_in_graph = ContextInVerifyGraph(worker.write_context_kv)
     worker.context_in_graph.runners.add(id(graphs))  # the width-1 runner's graphs were captured with it
-    batch.seq_lens = batch.seq_lens.as_subclass(Lens)
-    batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
-    batch.is_extend_in_batch = False
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.next_token_ids.tolist() == [22, 25] and result.new_seq_lens.tolist() == [6, 10]
     slots = [[1000 + 2 * 64 + 5], [1000 + 9]]
