@@ -50,6 +50,28 @@ def _draft_config(hf_config) -> DFlashDraftConfig:
     return DFlashDraftConfig.from_dict(raw, source=path)
 
 
+def has_dense_weight(linear: nn.Module) -> bool:
+    """Unquantised, or in SGLang's fp8 layout: ``[in, out]`` with one scale per output channel or
+    one in all (``--speculative-draft-model-quantization fp8`` on a 16-bit checkpoint)."""
+    if type(linear.quant_method) is UnquantizedLinearMethod:
+        return True
+    w, scale = linear.weight, getattr(linear, "weight_scale", None)
+    return (
+        w.dtype == torch.float8_e4m3fn and scale is not None and not hasattr(linear, "weight_scale_inv")
+        and tuple(w.shape) == (linear.input_size_per_partition, linear.output_size_per_partition)
+        and scale.numel() in (1, w.shape[1])
+    )
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A linear's weight as a dense ``[out, in]`` matrix (fp8 dequantised); None if it has none."""
+    if not has_dense_weight(linear):
+        return None
+    if type(linear.quant_method) is UnquantizedLinearMethod:
+        return linear.weight
+    return (linear.weight.t().float() * linear.weight_scale.float().reshape(-1, 1)).to(dtype)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashDraftConfig, layer_id: int, quant_config=None, prefix: str = ""):
         super().__init__()
@@ -94,11 +116,23 @@ class DFlashAttention(nn.Module):
         out, _ = self.o_proj(self.attn(q, k, v, forward_batch))
         return out
 
+    def kv_weight(self, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The K and V rows of ``qkv_proj`` (and bias) as a dense matrix, fp8 dequantised; None
+        for another quantisation."""
+        w = dense_weight(self.qkv_proj, dtype)
+        if w is None:
+            return None
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+        return w[self.q_size :], b
+
     def context_kv(self, positions: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated at the token's absolute position) and V of projected target context."""
-        w = self.qkv_proj.weight[self.q_size :]  # K and V rows only: Q of context is never used
-        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
-        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        if type(self.qkv_proj.quant_method) is UnquantizedLinearMethod:
+            w, b = self.kv_weight(ctx.dtype)  # K and V rows only: Q of context is never used
+            kv = F.linear(ctx, w, b)
+        else:
+            kv = self.qkv_proj(ctx)[0][..., self.q_size :]  # the layer's own kernels
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
         k = self._norm_heads(k, self.k_norm)
         _, k = self.rotary_emb(positions, torch.empty_like(k), k)
         return k.view(-1, self.num_kv_heads, self.head_dim), v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -186,8 +220,8 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, positions: torch.Tensor, ctx: torch.Tensor) -> list[tuple[RadixAttention, torch.Tensor, torch.Tensor]]:
         """(attention, K, V) of projected target context for every draft layer.
 
-        One stacked GEMM and one Triton launch for all layers where they allow it (unquantised,
-        one shared plain RoPE over the whole head, on CUDA); else layer by layer.
+        One stacked GEMM and one Triton launch for all layers where they allow it (unquantised or
+        fp8, one shared plain RoPE over the whole head, on CUDA); else layer by layer.
         """
         stacked = self._stacked_context_weights(ctx)
         if stacked is None:
@@ -220,15 +254,16 @@ class DFlashDraftModel(nn.Module):
                 self._fused_context_kv and ctx.is_cuda and plain_rope
                 and all(a.rotary_emb is rope for a in attns)
                 and len({a.k_norm.variance_epsilon for a in attns}) == 1
-                and all(type(a.qkv_proj.quant_method) is UnquantizedLinearMethod for a in attns)
+                and all(has_dense_weight(a.qkv_proj) for a in attns)
             )
             self._stacked_kv = self._build_stacked_weights() if ok else False
         return self._stacked_kv or None
 
     def _build_stacked_weights(self) -> tuple:
         attns = [layer.self_attn for layer in self.layers]
-        weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
-        bias = None if attns[0].qkv_proj.bias is None else torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns])
+        rows = [a.kv_weight(self.fc.weight.dtype) for a in attns]
+        weight = torch.cat([w for w, _ in rows])
+        bias = None if rows[0][1] is None else torch.cat([b for _, b in rows])
         return weight, bias, torch.stack([a.k_norm.weight for a in attns]).contiguous()
 
     def prepare_context_kv(self, device) -> None:

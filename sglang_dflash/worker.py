@@ -67,6 +67,7 @@ from .adaptive import make_width_policy
 from .config import DFlashConfigError, TargetInfo, context_in_verify_graph, verify_widths, width_policy_kind
 from .host_pauses import process_pauses
 from .ops import accept_block, prepare_block
+from .ops.fp8 import FP8, Fp8RowwiseLinear
 from .sampling import OutputCounts, to_device_async
 
 logger = logging.getLogger("sglang_dflash")
@@ -170,6 +171,11 @@ class DraftWindow:
         return ctx_lens
 
 
+def draft_weights_fp8(draft_model) -> bool:
+    """The draft's linears were quantised to fp8 (SGLang's online quantisation of a 16-bit checkpoint)."""
+    return any(p.dtype == FP8 for p in draft_model.parameters())
+
+
 class GreedyDraftHead:
     """argmax of the target lm_head over block slots 1..B-1, folded into the draft CUDA graph.
 
@@ -177,7 +183,7 @@ class GreedyDraftHead:
     reduces its vocab shard, then ranks compare maxima; the lowest rank wins ties, as argmax does.
     """
 
-    def __init__(self, lm_head, block_size: int, max_bs: int):
+    def __init__(self, lm_head, block_size: int, max_bs: int, fp8: bool = False):
         self.weight = lm_head.weight
         shard = getattr(lm_head, "shard_indices", None)
         self.vocab_start = int(shard.org_vocab_start_index) if shard is not None else 0
@@ -185,10 +191,21 @@ class GreedyDraftHead:
         self.block_size = block_size
         self.tp_size = get_tp_group().world_size
         self.out = torch.zeros(max_bs * (block_size - 1), dtype=torch.int64, device=self.weight.device)
+        # With an fp8 draft (--speculative-draft-model-quantization fp8) its head reads fp8 too.
+        self.fp8: Optional[Fp8RowwiseLinear] = None
+        if fp8:
+            why_not = Fp8RowwiseLinear.eligible(self.weight[: self.vocab_rows])
+            if why_not is None:
+                self.fp8 = Fp8RowwiseLinear(self.weight[: self.vocab_rows])
+            elif get_parallel().tp_rank == 0:
+                logger.info("DFLASH draft head stays in %s: %s", self.weight.dtype, why_not)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         hs = hidden.view(-1, self.block_size, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
-        logits = hs.to(self.weight.dtype) @ self.weight[: self.vocab_rows].T  # padded rows excluded
+        if self.fp8 is not None:
+            logits = self.fp8(hs)
+        else:
+            logits = hs.to(self.weight.dtype) @ self.weight[: self.vocab_rows].T  # padded rows excluded
         best, idx = logits.max(dim=-1)
         idx = idx + self.vocab_start
         if self.tp_size > 1:
@@ -344,7 +361,9 @@ class DFlashWorker(BaseSpecWorker):
         graphs = get_exec().graph.cuda_graph_config.decode
         capture = graphs.backend != Backend.DISABLED
         lm_head = self.model_runner.model.lm_head
-        self.draft_head = GreedyDraftHead(lm_head, self.block_size, max(graphs.bs) if capture else 1)
+        self.draft_head = GreedyDraftHead(
+            lm_head, self.block_size, max(graphs.bs) if capture else 1, fp8=draft_weights_fp8(self.draft_model)
+        )
         # A quantised lm_head needs its own kernels: leave the head out of the graph then.
         self.head_in_graph = capture and torch.is_floating_point(lm_head.weight)
         if self.head_in_graph:

@@ -160,3 +160,25 @@ def worker_steps_follow_plain_decoding(device: str, widths) -> None:
     for r, t in zip(reqs, truth):
         assert r.output_ids == t
     assert multi > 5 and used == set(widths or [B])
+
+
+def check_fp8_head(device: str) -> None:
+    """The fp8 draft head's logits are the GEMM of its fp8 operands, and its argmax that of the
+    16-bit head up to fp8's near-ties."""
+    from sglang_dflash.ops.fp8 import Fp8RowwiseLinear, quantize_rows
+
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 256, device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(45, 256, device=device, dtype=torch.bfloat16)  # bs 3 x 15: not a multiple of 16
+    assert Fp8RowwiseLinear.eligible(weight) is None
+    head = Fp8RowwiseLinear(weight)
+    logits = head(hidden)
+    qw, sw = quantize_rows(weight)
+    qx, sx = quantize_rows(hidden)
+    ref = (qx.float() * sx) @ (qw.float() * sw).T
+    torch.testing.assert_close(logits.float(), ref, atol=0.05, rtol=0.02)
+    exact = hidden.float() @ weight.float().T
+    agree = (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+    # A wrong scale must show: the comparison can fail.
+    assert not torch.allclose(logits.float() * 1.1, ref, atol=0.05, rtol=0.02)

@@ -30,9 +30,15 @@ IMPLEMENTATIONS = {
     # the write inside the target's verify graphs).
     "plugin-eager-context": (["--speculative-algorithm", "DFLASH"],
                              {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}),
+    # The draft's linears quantised to fp8 at load (SGLang's own flag), each implementation as it
+    # takes it: the plugin's draft head reads an fp8 copy of the target's lm_head as well.
+    "plugin-fp8": (["--speculative-algorithm", "DFLASH", "--speculative-draft-model-quantization", "fp8"],
+                   {"SGLANG_DFLASH_IMPL": "plugin"}),
+    "builtin-fp8": (["--speculative-algorithm", "DFLASH", "--speculative-draft-model-quantization", "fp8"],
+                    {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-eager-context")
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-eager-context", "plugin-fp8", "builtin-fp8")
 
 
 def is_implementation(name: str) -> bool:
