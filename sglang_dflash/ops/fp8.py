@@ -40,7 +40,6 @@ class Fp8RowwiseLinear:
             )
         self.weight_t = q.t()  # column-major [in, out], the layout torch._scaled_mm takes
         self.scale = scale.view(1, rows)
-        self.out_features = rows
 
     @staticmethod
     def eligible(weight: torch.Tensor) -> Optional[str]:
