@@ -65,10 +65,10 @@ def has_dense_weight(linear: nn.Module) -> bool:
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """A linear's weight as a dense ``[out, in]`` matrix (fp8 dequantised); None if it has none."""
-    if not has_dense_weight(linear):
-        return None
     if type(linear.quant_method) is UnquantizedLinearMethod:
         return linear.weight
+    if not has_dense_weight(linear):
+        return None
     return (linear.weight.t().float() * linear.weight_scale.float().reshape(-1, 1)).to(dtype)
 
 
