@@ -129,6 +129,7 @@ class WidthPolicy:
         self.used: Counter = Counter()
         self.current: dict[int, int] = {}  # batch-size bucket -> the width chosen last
         self.refreshes = 0
+        self.reasons: Counter = Counter()  # (bucket, width, why) -> steps: which rule chose each width
 
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
@@ -142,15 +143,18 @@ class WidthPolicy:
 
     def choose(self, bs: int) -> int:
         self.steps += 1
-        width = self._first_try(bs)
+        width, why = self._first_try(bs), "first_try"
         if width is None:
             if self.steps % (8 * self.refresh_every) == 0:
-                width = max(self.widths)
+                width, why = max(self.widths), "deep_refresh"
             else:
-                width = self._best(bs)
+                width, why = self._best(bs), "best"
                 if self.steps % self.refresh_every == 0:
-                    width = self._worth_measuring(bs, width) or width
+                    refresh = self._worth_measuring(bs, width)
+                    if refresh is not None:
+                        width, why = refresh, "refresh"
         self.used[width] += 1
+        self.reasons[bucket(bs), width, why] += 1
         return width
 
     def _measured(self, bs: int) -> list[int]:
@@ -205,6 +209,18 @@ class WidthPolicy:
     def step_ms(self) -> dict[str, float]:
         """The measured step costs, as ``"width@batch bucket": ms``."""
         return {f"{w}@{b}": round(s * 1000, 3) for (w, b), s in sorted(self.costs.seconds.items())}
+
+    def choices(self) -> dict[str, dict[str, int]]:
+        """Steps per ``"width@batch bucket"`` and the rule that chose them (``first_try``, ``best``,
+        ``refresh``, ``deep_refresh``): why a width ran where its cost says it should not."""
+        out: dict[str, dict[str, int]] = {}
+        for (b, w, why), n in sorted(self.reasons.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
+            out.setdefault(f"{w}@{b}", {})[why] = n
+        return out
+
+    def acceptance_rates(self) -> list[float]:
+        """The running acceptance of drafts 1..B-1, each given the ones before it were accepted."""
+        return [round(self.acceptance.rate(k), 4) for k in range(1, self.acceptance.block_size)]
 
 
 class CyclingWidths:

@@ -394,6 +394,8 @@ class DFlashWorker(BaseSpecWorker):
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
             if hasattr(self.width_policy, "step_ms"):
                 info["step_ms"] = self.width_policy.step_ms()
+                info["choices"] = self.width_policy.choices()
+                info["acceptance_rates"] = self.width_policy.acceptance_rates()
             info["eager_verifies"] = {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}
         return info
 

@@ -234,6 +234,22 @@ def test_a_slow_first_step_at_a_width_does_not_keep_that_width_out():
     assert set(policy.step_ms()) == {f"{w}@8" for w in candidate_widths(16)}
 
 
+def test_each_chosen_step_names_the_rule_that_chose_it():
+    """server_info's ``choices``: every step is counted once, under its width, batch bucket and
+    rule, so a width that runs where its measured cost says it should not can be traced."""
+    policy = WidthPolicy(16)
+    run_policy(policy, 8, 0.0, lambda w, b: 1.0 + (0.3 if w > 1 else 0.0), 300, random.Random(5))
+    choices = policy.choices()
+    assert sum(n for rules in choices.values() for n in rules.values()) == 300
+    assert {k: sum(r.values()) for k, r in choices.items()} == {f"{w}@8": n for w, n in policy.widths_used().items()}
+    assert choices["16@8"]["first_try"] == choices["1@8"]["first_try"] == 2  # a first step is not timed
+    assert choices["16@8"]["deep_refresh"] == 300 // 128
+    assert choices["1@8"]["best"] > 250 and "refresh" not in choices["1@8"]
+    assert set().union(*choices.values()) <= {"first_try", "best", "refresh", "deep_refresh"}
+    rates = policy.acceptance_rates()
+    assert len(rates) == 15 and rates[0] < 0.2 and rates[1] == 0.5  # only draft 1 is ever judged here
+
+
 def test_the_verify_widths_switch(monkeypatch):
     from sglang_dflash.config import WIDTHS_ENV, DFlashConfigError, verify_widths, width_policy_kind
 
