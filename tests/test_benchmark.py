@@ -705,6 +705,59 @@ def test_a_killed_client_still_stops_its_servers(tmp_path):
     assert child.wait(timeout=30) == 128 + signal.SIGTERM and marker.read_text() == "yes"
 
 
+def _alive(pid: int) -> bool:
+    """Running, not a zombie left for a PID 1 that does not reap (as in containers)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_client_killed_outright_takes_its_servers_with_it(tmp_path):
+    """Seen on the GPU machine: a run's time limit SIGKILLed a sweep, and its servers, each in a
+    session of its own, kept 44 GiB of the GPU through the next three runs. A server launched
+    with ``server_preexec`` gets SIGTERM when its client dies; one launched without it lives on."""
+    code = ("import subprocess, sys, time, sglang_dflash.bench.server as s\n"
+            "sleep = [sys.executable, '-c', 'import time; time.sleep(60)']\n"
+            "kept = subprocess.Popen(sleep, start_new_session=True, preexec_fn=s.server_preexec())\n"
+            "bare = subprocess.Popen(sleep, start_new_session=True)\n"
+            "print(kept.pid, bare.pid, flush=True); time.sleep(60)\n")
+    client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    kept, bare = (int(p) for p in client.stdout.readline().split())
+    try:
+        assert _alive(kept) and _alive(bare)
+        client.kill()
+        client.wait(timeout=30)
+        deadline = time.time() + 10
+        while _alive(kept) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _alive(kept)
+        assert _alive(bare)  # what every server did before
+    finally:
+        for pid in (kept, bare):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_busy_gpu_is_named_before_the_servers_start(monkeypatch):
+    assert server_mod.busy_gpu_warning([]) is None
+    line = server_mod.busy_gpu_warning([(2669, 20972), (2864, 23685)])
+    assert "\n" not in line and "43.6 GiB" in line and "pid 2669 (20.5 GiB)" in line and "pid 2864 (23.1 GiB)" in line
+    monkeypatch.setattr(server_mod.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout="2669, 20972\n2864, 23685\n", stderr=""))
+    assert server_mod.gpu_processes() == [(2669, 20972), (2864, 23685)]
+
+    def no_smi(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(server_mod.subprocess, "run", no_smi)
+    assert server_mod.gpu_processes() == []
+
+
 def test_a_sigterm_during_the_stop_waits_until_every_server_is_down(tmp_path):
     slow = ("import signal, sys, time\n"
             "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"

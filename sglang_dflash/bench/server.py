@@ -150,6 +150,59 @@ def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], 
     return slices, tuple(cpus[n_servers * per:])
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def server_preexec(cpus: Optional[tuple] = None):
+    """What a server's process does between fork and exec: take its CPUs, and on Linux get SIGTERM
+    when the launching process dies. A server runs in a session of its own (so a Ctrl-C meant for
+    the client does not reach it), so without this a client killed outright (SIGKILL, a run's time
+    limit) leaves it holding the GPU, and the next run's servers fail to start beside it.
+    SGLang's own children die with the server. Launched from another thread, the signal would
+    come when that thread ends, so only the main thread asks for it."""
+    parent = os.getpid()
+    die_with_parent = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
+
+    def preexec() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if die_with_parent:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the parent died before the request took hold
+                os._exit(1)
+
+    return preexec if cpus or die_with_parent else None
+
+
+def gpu_processes() -> list[tuple[int, int]]:
+    """(pid, MiB) of every process holding memory on the first GPU, from nvidia-smi ([] without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
+                              "-i", "0"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    rows = []
+    for line in out.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            rows.append((int(pid), int(mib)))
+    return rows
+
+
+def busy_gpu_warning(processes: list[tuple[int, int]]) -> Optional[str]:
+    """One line when the GPU already holds memory before a benchmark's servers start: they would
+    share it with those processes (often servers left by an earlier, killed run)."""
+    if not processes:
+        return None
+    held = ", ".join(f"pid {pid} ({mib / 1024:.1f} GiB)" for pid, mib in processes)
+    return (f"warning: the GPU already holds {sum(m for _, m in processes) / 1024:.1f} GiB before any server of "
+            f"this run starts ({held}); the servers get less memory and share the GPU with them")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,11 +236,10 @@ class Server:
 
     def launch(self) -> None:
         """Start the process and return at once (:meth:`wait_healthy` waits for it)."""
-        cpus = self.spec.cpus
         with open(self.log_path, "w") as log:  # the server keeps its own handle
             self.proc = subprocess.Popen(self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT,
                                          env=self.spec.env(), start_new_session=True,
-                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                         preexec_fn=server_preexec(self.spec.cpus))
         self.deadline = time.time() + self.timeout_s
 
     def wait_healthy(self) -> None:

@@ -38,8 +38,8 @@ from .client import flush_cache, kv_loads, progress, run_requests, server_info
 from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
 from .report import markdown_report, plot, update_summary
 from .server import (
-    DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, checkpoint_bytes, cpu_slices, gpu_free_bytes,
-    exit_on_sigterm, is_implementation, memory_fraction, split_block_size, stop_all,
+    DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, busy_gpu_warning, checkpoint_bytes, cpu_slices,
+    exit_on_sigterm, gpu_free_bytes, gpu_processes, is_implementation, memory_fraction, split_block_size, stop_all,
 )
 from .stats import (add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize,
                     ttft_parts_summary)
@@ -338,6 +338,9 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
         specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
+    busy = None if args.skip_launch else busy_gpu_warning(gpu_processes())
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
     if args.interleave:
         return sweep_interleaved(args, specs, datasets, log_dir)
     for spec in specs:
