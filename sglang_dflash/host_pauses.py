@@ -15,12 +15,19 @@ import torch
 
 
 class HostPauses:
-    """Full (generation 2) garbage collections in this process: how many, the longest, the total."""
+    """Full (generation 2) garbage collections in this process: how many, the longest, the total;
+    overall and since the first request (:meth:`mark_serving`), since start-up collects a lot."""
 
     def __init__(self):
         self.count, self.longest, self.total = 0, 0.0, 0.0
+        self.serving = False
+        self.serving_count, self.serving_longest, self.serving_total = 0, 0.0, 0.0
         self._started: Optional[float] = None
         gc.callbacks.append(self._on_gc)
+
+    def mark_serving(self) -> None:
+        """The first request arrived: later collections also count as serving ones."""
+        self.serving = True
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if info.get("generation") != 2:
@@ -32,11 +39,17 @@ class HostPauses:
             self.count += 1
             self.total += took
             self.longest = max(self.longest, took)
+            if self.serving:
+                self.serving_count += 1
+                self.serving_total += took
+                self.serving_longest = max(self.serving_longest, took)
 
     def report(self, device=None) -> dict:
         """Also the CUDA caching allocator's retries: each freed the cache and synchronised."""
         out = {"gc_full_collections": self.count, "gc_longest_ms": round(self.longest * 1e3, 3),
-               "gc_total_ms": round(self.total * 1e3, 3)}
+               "gc_total_ms": round(self.total * 1e3, 3), "gc_full_collections_serving": self.serving_count,
+               "gc_longest_ms_serving": round(self.serving_longest * 1e3, 3),
+               "gc_total_ms_serving": round(self.serving_total * 1e3, 3)}
         if torch.cuda.is_available():
             out["cuda_alloc_retries"] = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
         return out

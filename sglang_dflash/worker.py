@@ -292,7 +292,7 @@ class DFlashWorker(BaseSpecWorker):
             self.draft_model.prepare_context_kv(self.device)
             self.context_in_graph = ContextInVerifyGraph(self.write_context_kv)
             self.model_runner.capture_tail_hooks.append(self.context_in_graph.capture_hook)
-        process_pauses()  # from now on, for /get_server_info
+        self.pauses = process_pauses()  # from now on, for /get_server_info
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
@@ -406,6 +406,7 @@ class DFlashWorker(BaseSpecWorker):
         # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             self.last_step_end = None  # the next decode step's time would include this prefill
+            self.pauses.mark_serving()  # full collections from here on hold requests up
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
             batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)

@@ -358,7 +358,9 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
     assert start0 is None and start1 is end0 and worker.last_step_end is end1
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), is_extend_in_batch=True)
     worker.prefill_step = lambda batch, on_publish: "prefilled"
+    worker.pauses = SimpleNamespace(serving=False, mark_serving=lambda: setattr(worker.pauses, "serving", True))
     assert DFlashWorker.forward_batch_generation(worker, batch) == "prefilled" and worker.last_step_end is None
+    assert worker.pauses.serving  # from the first request on, full collections count as serving ones
 
 
 def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
@@ -435,6 +437,12 @@ def test_host_pauses_count_full_collections_and_time_the_longest():
         report = pauses.report()
         assert report["gc_full_collections"] == 2
         assert 20 <= report["gc_longest_ms"] <= report["gc_total_ms"]
+        assert report["gc_full_collections_serving"] == 0  # start-up's collections stay out of the serving count
+        pauses.mark_serving()
+        gc.collect()
+        report = pauses.report()
+        assert report["gc_full_collections"] == 3 and report["gc_full_collections_serving"] == 1
+        assert 0 < report["gc_total_ms_serving"] < report["gc_total_ms"]
     finally:
         gc.callbacks.remove(pauses._on_gc)
 
