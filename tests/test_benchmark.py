@@ -4,6 +4,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -302,7 +303,7 @@ def test_plots_draw_what_was_measured(tmp_path):
     assert [os.path.basename(p) for p in both] == ["throughput.png", "accept_length.png"]
 
 
-def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_dir, monkeypatch):
+def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_dir, monkeypatch, capsys):
     def command(self, port):
         if self.impl == "builtin":
             return [sys.executable, "-c", "raise SystemExit(3)"]
@@ -317,6 +318,8 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
                      "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
     res = json.load(open(tmp_path / "results.json"))
     assert rc == 1 and [f["label"] for f in res["server_failures"]] == ["builtin"]  # the others still measured
+    ups = re.findall(r"^\[(\w+)\] up in \d+ s$", capsys.readouterr().out, re.M)
+    assert ups == ["ar", "plugin"]  # each start's time, for the one that did start
     measured = [t for t in turns if "wave" in t and "warm-up" not in t]
     first_timed = turns.index("ar wave 0")
     assert {"ar gsm8k c1 compile", "plugin gsm8k c1 compile"} <= set(turns[:first_timed])  # built before timing

@@ -29,6 +29,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -394,12 +395,15 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
 
 
 def start_or_report(server: Server, started: list, failures: list, launch: bool = True) -> None:
-    """Bring ``server`` up and add it to ``started``, or record why it did not start."""
+    """Bring ``server`` up and add it to ``started``, or record why it did not start. Says how long
+    the start took: a first start on a fresh machine compiles kernels and can take minutes."""
+    began = time.time()
     try:
         server.start() if launch else server.wait_healthy()
     except ServerError as e:
         failures.append(server_failure(server.spec, e))
         return
+    print(f"[{server.spec.label}] up in {time.time() - began:.0f} s", flush=True)
     started.append(server)
 
 
