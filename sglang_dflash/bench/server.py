@@ -161,19 +161,21 @@ def server_preexec(cpus: Optional[tuple] = None):
     SGLang's own children die with the server. Launched from another thread, the signal would
     come when that thread ends, so only the main thread asks for it."""
     parent = os.getpid()
-    die_with_parent = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
+    prctl = None
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child must not import
 
     def preexec() -> None:
         if cpus:
             os.sched_setaffinity(0, cpus)
-        if die_with_parent:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != parent:  # the parent died before the request took hold
                 os._exit(1)
 
-    return preexec if cpus or die_with_parent else None
+    return preexec if cpus or prctl is not None else None
 
 
 def gpu_processes() -> list[tuple[int, int]]:
