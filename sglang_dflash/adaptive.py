@@ -126,7 +126,6 @@ class WidthPolicy:
         self.costs = StepCosts()
         self.refresh_every, self.margin = refresh_every, margin
         self.steps = 0
-        self.used: Counter = Counter()
         self.current: dict[int, int] = {}  # batch-size bucket -> the width chosen last
         self.refreshes = 0
         self.reasons: Counter = Counter()  # (bucket, width, why) -> steps: which rule chose each width
@@ -153,7 +152,6 @@ class WidthPolicy:
                     refresh = self._worth_measuring(bs, width)
                     if refresh is not None:
                         width, why = refresh, "refresh"
-        self.used[width] += 1
         self.reasons[bucket(bs), width, why] += 1
         return width
 
@@ -204,7 +202,10 @@ class WidthPolicy:
             self.acceptance.update(accept_lens, width)
 
     def widths_used(self) -> dict[int, int]:
-        return dict(sorted(self.used.items(), reverse=True))
+        used: Counter = Counter()
+        for (_, width, _), n in self.reasons.items():
+            used[width] += n
+        return dict(sorted(used.items(), reverse=True))
 
     def step_ms(self) -> dict[str, float]:
         """The measured step costs, as ``"width@batch bucket": ms``."""
