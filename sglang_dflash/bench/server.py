@@ -117,13 +117,23 @@ def checkpoint_bytes(path: Optional[str]) -> int:
                for f in glob.glob(os.path.join(path, pattern)))
 
 
-def gpu_free_bytes() -> Optional[int]:
-    """Free memory of the first GPU now, from nvidia-smi (no CUDA context in this process)."""
+def nvidia_smi(query: str) -> Optional[str]:
+    """``nvidia-smi --QUERY`` on the first GPU as bare CSV (no CUDA context in this process); None
+    where it cannot run."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+        out = subprocess.run(["nvidia-smi", f"--{query}", "--format=csv,noheader,nounits", "-i", "0"],
                              capture_output=True, text=True, timeout=30)
-        return int(out.stdout.split()[0]) << 20 if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def gpu_free_bytes() -> Optional[int]:
+    """Free memory of the first GPU now."""
+    out = nvidia_smi("query-gpu=memory.free")
+    try:
+        return int(out.split()[0]) << 20 if out is not None else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -179,16 +189,9 @@ def server_preexec(cpus: Optional[tuple] = None):
 
 
 def gpu_processes() -> list[tuple[int, int]]:
-    """(pid, MiB) of every process holding memory on the first GPU, from nvidia-smi ([] without it)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
-                              "-i", "0"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
+    """(pid, MiB) of every process holding memory on the first GPU ([] without nvidia-smi)."""
     rows = []
-    for line in out.stdout.splitlines():
+    for line in (nvidia_smi("query-compute-apps=pid,used_memory") or "").splitlines():
         pid, _, mib = line.partition(",")
         if pid.strip().isdigit() and mib.strip().isdigit():
             rows.append((int(pid), int(mib)))
