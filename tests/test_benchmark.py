@@ -238,6 +238,20 @@ def test_waves_repeat_prompts_until_each_level_has_enough_requests():
     assert sweep.level_workload([], 8, 2) == []
 
 
+def test_warm_up_and_compile_waves_fill_the_level_even_with_fewer_prompts(monkeypatch):
+    # With 8 rig prompts a c32 warm-up of payloads[:32] sent 8 requests: the batch first reached
+    # 32 in a timed wave (the plugin's slow first c32 waves of sessions 15-21).
+    sent = []
+    monkeypatch.setattr(sweep, "run_requests", lambda url, payloads, conc, desc="": sent.append((len(payloads), conc)))
+    monkeypatch.setattr(sweep, "flush_cache", lambda url: None)
+    prompts = [{"text": str(i)} for i in range(8)]
+    sweep.compile_every_level("u", "plugin", {"rig": prompts}, [1, 8, 32])
+    sweep.warm_up("u", prompts, 32, "plugin rig c32")
+    assert sent == [(1, 1), (8, 8), (32, 32), (32, 32)]
+    assert [p["text"] for p in sweep.full_wave(prompts, 12)] == [str(i % 8) for i in range(12)]
+    assert sweep.full_wave([], 4) == []
+
+
 def test_sweep_launches_servers_reports_failures_and_goes_on(tmp_path, chat_model, data_dir, monkeypatch):
     accept = {"ar": "1", "plugin": "4"}
 

@@ -218,19 +218,25 @@ def level_workload(payloads: list[dict], concurrency: int, waves: int) -> list[d
     return [payloads[i % len(payloads)] for i in range(n)] if payloads else []
 
 
+def full_wave(payloads: list[dict], concurrency: int) -> list[dict]:
+    """One wave of ``concurrency`` requests, prompts repeated as the timed waves repeat them: a
+    wave of fewer requests than the level never brings the batch to the level's size."""
+    return level_workload(payloads, concurrency, 1)[:concurrency]
+
+
 def warm_up(url: str, payloads: list[dict], conc: int, desc: str) -> None:
-    """Radix cache flushed, then one wave that is not measured."""
+    """Radix cache flushed, then one full wave that is not measured."""
     flush_cache(url)
-    run_requests(url, payloads[:conc], conc, desc=f"{desc} warm-up")
+    run_requests(url, full_wave(payloads, conc), conc, desc=f"{desc} warm-up")
 
 
 def compile_every_level(url: str, label: str, datasets: dict, concurrencies: list[int]) -> None:
-    """One unmeasured wave at every level before anything is timed: each CUDA-graph size and JIT
-    kernel a level will use is built now, not inside a timed wave (flashinfer's JIT cache is shared
-    by every server on the machine, so a later server would otherwise find it warm)."""
+    """One unmeasured full wave at every level before anything is timed: each CUDA-graph size,
+    buffer and JIT kernel a level will use is built now, not inside a timed wave (flashinfer's JIT
+    cache is shared by every server on the machine, so a later server would otherwise find it warm)."""
     for dataset, payloads in datasets.items():
         for conc in concurrencies:
-            run_requests(url, payloads[:conc], conc, desc=f"{label} {dataset} c{conc} compile")
+            run_requests(url, full_wave(payloads, conc), conc, desc=f"{label} {dataset} c{conc} compile")
 
 
 def host_pauses(url: str) -> Optional[dict]:
