@@ -285,6 +285,8 @@ class DFlashWorker(BaseSpecWorker):
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
+        # Steps whose passes ran outside CUDA graphs: a host-bound server slows down by each.
+        self.decode_steps, self.eager_drafts = 0, 0
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
         self.context_in_graph: Optional[ContextInVerifyGraph] = None
         if context_in_verify_graph():
@@ -386,9 +388,12 @@ class DFlashWorker(BaseSpecWorker):
 
     def server_info(self) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
-        allocator retries) and, with adaptive width, the widths chosen so far (decode steps per width)."""
+        allocator retries), the decode steps and those whose draft or verify ran outside CUDA
+        graphs, and, with adaptive width, the widths chosen so far (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
-                "host_pauses": process_pauses().report(getattr(self, "device", None))}
+                "host_pauses": process_pauses().report(getattr(self, "device", None)),
+                "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
+                "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
@@ -396,7 +401,6 @@ class DFlashWorker(BaseSpecWorker):
                 info["step_ms"] = self.width_policy.step_ms()
                 info["choices"] = self.width_policy.choices()
                 info["acceptance_rates"] = self.width_policy.acceptance_rates()
-            info["eager_verifies"] = {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}
         return info
 
     # ---- one scheduler step ------------------------------------------------------------------
@@ -421,7 +425,8 @@ class DFlashWorker(BaseSpecWorker):
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
         logits_output, can_run_graph, context_written = self.verify_step(batch, block)
-        if not can_run_graph and self.width_policy is not None:
+        self.decode_steps += 1
+        if not can_run_graph:
             self.eager_verifies[width] += 1
         if grammar_tree is not None:
             mask = build_grammar_vocab_mask(
@@ -548,6 +553,8 @@ class DFlashWorker(BaseSpecWorker):
         self.release.bind_draft_plan(self.draft_model_runner, forward_batch)
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
+        if not out.can_run_graph:
+            self.eager_drafts += 1
         if out.can_run_graph and self.head_in_graph:
             return self.draft_head.out[: bs * (B - 1)]
         return self.draft_head(out.logits_output.hidden_states)

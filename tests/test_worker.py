@@ -397,7 +397,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker = object.__new__(DFlashWorker)
     worker.block_size, worker.widths = 16, (16, 4, 1)
     worker.width_policy = CyclingWidths(worker.widths)
-    worker.eager_verifies = Counter({1: 2})
+    worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -411,11 +411,13 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     pauses = state["dflash"].pop("host_pauses")
     assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
-                               "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2}}
+                               "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
+                               "decode_steps": 4, "eager_drafts": 1}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
-    assert fixed.pop("host_pauses") and fixed == {"block_size": 16, "widths": [16]}
+    assert fixed.pop("host_pauses") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
+                                                  "eager_drafts": 1, "eager_verifies": {"1": 2}}
     monkeypatch.setattr(integration, "_serving", False)
     assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state
 
@@ -569,7 +571,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     written = []
     worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
     worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
-    worker.eager_verifies, worker.steps_in_flight = Counter(), deque()
+    worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
     worker.time_step = lambda width, bs: None
     worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
@@ -599,7 +601,7 @@ def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monke
     assert tokens == bonus == [22, 25] and accept_lens == [1, 1] and new_lens == [6, 10] and stride == 1
     slots = [[1000 + 2 * 64 + 5], [1000 + 9]]
     assert written == [[[[7.0] * 6, [8.0] * 6], [5, 9], slots, [1, 1]]]  # hidden, positions, KV slots, commit
-    assert eager == ({} if runner == "graph" else {1: 1})
+    assert eager == ({} if runner == "graph" else {1: 1}) and worker.decode_steps == 1
 
 
 def test_the_targets_verify_graphs_write_the_draft_context_of_every_row():
