@@ -45,7 +45,9 @@ def make_handler(args):
             if self.path == "/server_info":
                 state = {"avg_spec_accept_length": args.accept}
                 if args.accept > 1:  # the plugin's entry; its GC count moves with each request served
-                    state["dflash"] = {"block_size": 16, "host_pauses": {"gc_full_collections": count["n"]}}
+                    state["dflash"] = {"block_size": 16, "host_pauses": {"gc_full_collections": count["n"]},
+                                       "decode_steps": 4 * count["n"], "eager_drafts": count["n"] // 2,
+                                       "eager_verifies": {"16": count["n"] // 2, "4": 1}}
                 return self._json(200, {"internal_states": [state]})
             self._json(404, {"error": "not found"})
 

@@ -345,6 +345,9 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     # The plugin's host-pause counts after each of its waves (the fake counts requests served).
     gcs = [p["gc_full_collections"] for p in rows["plugin"]["wave_host_pauses"]]
     assert len(gcs) == 3 and gcs == sorted(gcs) and gcs[0] < gcs[-1]
+    # ... and its decode steps and graph misses (verifies summed over widths), to match a slow wave.
+    assert [(p["decode_steps"], p["eager_drafts"], p["eager_verifies"]) for p in rows["plugin"]["wave_host_pauses"]] \
+        == [(4 * n, n // 2, n // 2 + 1) for n in gcs]
     assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
     per_request = rows["plugin"]["per_request"]
     assert len(per_request) == 3 and sum(t for t, _ in per_request) == rows["plugin"]["output_tokens"]

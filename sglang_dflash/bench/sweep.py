@@ -240,8 +240,15 @@ def compile_every_level(url: str, label: str, datasets: dict, concurrencies: lis
 
 
 def host_pauses(url: str) -> Optional[dict]:
-    """The plugin's count of full GCs and allocator retries so far (None from other servers)."""
-    return (server_info(url).get("dflash") or {}).get("host_pauses")
+    """The plugin's counts so far of full GCs, allocator retries, decode steps and steps whose
+    draft or verify ran outside CUDA graphs (None from other servers)."""
+    dflash = server_info(url).get("dflash") or {}
+    if "host_pauses" not in dflash:
+        return None
+    graphs = {k: dflash[k] for k in ("decode_steps", "eager_drafts") if k in dflash}
+    if "eager_verifies" in dflash:
+        graphs["eager_verifies"] = sum(dflash["eager_verifies"].values())
+    return {**dflash["host_pauses"], **graphs}
 
 
 def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list, wall: float) -> dict:
@@ -298,7 +305,8 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
                 per_wave = [summarize(*run) for run in runs]
                 row["wave_tok_s"] = [round(w["output_tok_s"], 1) for w in per_wave]
                 # A slow wave's first tokens, and what the server paused for meanwhile (full GCs,
-                # allocator retries: cumulative counts, so a wave's share is the step from the last).
+                # allocator retries, steps outside CUDA graphs: cumulative counts, so a wave's
+                # share is the step from the last).
                 row["wave_ttft_p99_ms"] = [w["ttft_p99_ms"] for w in per_wave]
                 if any(pauses[server.spec.label]):
                     row["wave_host_pauses"] = pauses[server.spec.label]
