@@ -285,7 +285,8 @@ class DFlashWorker(BaseSpecWorker):
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
         self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
-        # Steps whose passes ran outside CUDA graphs: a host-bound server slows down by each.
+        # Decode steps, and the drafts and verifies among them that ran outside CUDA graphs (each one
+        # slows a host-bound server down).
         self.decode_steps, self.eager_drafts = 0, 0
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
         self.context_in_graph: Optional[ContextInVerifyGraph] = None
