@@ -1,6 +1,7 @@
 """A stand-in for an SGLang server on localhost, for CPU tests of the benchmark (sglang_dflash.bench).
 
     python tests/fake_sglang_server.py --port P [--accept 3.0] [--fail-every N] [--delay-ms D] [--leak-on-abort]
+                                       [--compile-at N]
 
 Speaks the parts of SGLang's HTTP API the benchmark uses: streamed ``/generate`` with
 ``meta_info`` counters (``spec_verify_ct`` = tokens / accept), ``/health_generate``,
@@ -62,6 +63,10 @@ def make_handler(args):
                 n = count["n"]
             if args.fail_every and n % args.fail_every == 0:
                 return self._json(500, {"error": "injected failure"})
+            if args.compile_at == n:  # SGLang 0.5.23's warning for a Triton compile while serving
+                print("[2026-11-25 04:33:36] Triton kernel '_fwd_kernel' took 1.18 s to compile after serving "
+                      "started. Serving-time compilation can stall the engine; pre-compile it during engine init.",
+                      flush=True)
             params = req.get("sampling_params", {})
             prompt = req.get("text") or " ".join(map(str, req.get("input_ids", [])))
             total = min(params.get("max_new_tokens", 16), 4 + len(prompt) % 29)
@@ -104,6 +109,7 @@ def main():
     ap.add_argument("--fail-every", type=int, default=0)
     ap.add_argument("--delay-ms", type=float, default=1.0)
     ap.add_argument("--leak-on-abort", action="store_true")
+    ap.add_argument("--compile-at", type=int, default=0, help="log a serving-time Triton compile at request N")
     args, _ = ap.parse_known_args()
     ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args)).serve_forever()
 

@@ -321,7 +321,8 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     def command(self, port):
         if self.impl == "builtin":
             return [sys.executable, "-c", "raise SystemExit(3)"]
-        return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if self.impl == "ar" else "4"]
+        plugin = ["--accept", "4", "--compile-at", "4"]  # its 4th request: compile, warm-up, waves 0 and 1
+        return [sys.executable, FAKE, "--port", str(port), *(["--accept", "1"] if self.impl == "ar" else plugin)]
 
     monkeypatch.setattr(ServerSpec, "command", command)
     turns, run = [], sweep.run_requests
@@ -332,8 +333,11 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
                      "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
     res = json.load(open(tmp_path / "results.json"))
     assert rc == 1 and [f["label"] for f in res["server_failures"]] == ["builtin"]  # the others still measured
-    ups = re.findall(r"^\[(\w+)\] up in \d+ s$", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    ups = re.findall(r"^\[(\w+)\] up in \d+ s$", out, re.M)
     assert ups == ["ar", "plugin"]  # each start's time, for the one that did start
+    # A wave stalled by a serving-time Triton compile is named, and each wave keeps the count so far.
+    assert "[plugin] gsm8k c1 wave 1: 1 Triton compile(s) after serving started (_fwd_kernel 1.18 s)" in out
     measured = [t for t in turns if "wave" in t and "warm-up" not in t]
     first_timed = turns.index("ar wave 0")
     assert {"ar gsm8k c1 compile", "plugin gsm8k c1 compile"} <= set(turns[:first_timed])  # built before timing
@@ -349,6 +353,8 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert [(p["decode_steps"], p["eager_drafts"], p["eager_verifies"]) for p in rows["plugin"]["wave_host_pauses"]] \
         == [(4 * n, n // 2, n // 2 + 1) for n in gcs]
     assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
+    assert rows["plugin"]["wave_serving_compiles"] == [[0, 0.0], [1, 1.18], [1, 1.18]]
+    assert "wave_serving_compiles" not in rows["ar"]  # none in its log
     per_request = rows["plugin"]["per_request"]
     assert len(per_request) == 3 and sum(t for t, _ in per_request) == rows["plugin"]["output_tokens"]
     assert sum(v for _, v in per_request) == rows["plugin"]["spec_verify_ct"]

@@ -214,6 +214,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# SGLang's warning (srt/utils/triton_load_watch.py, 0.5.23) for a compile after serving started.
+SERVING_COMPILE = re.compile(r"Triton kernel '([^']+)' took ([0-9.]+) s to compile after serving started")
+
+
 class Server:
     """A launched ``sglang.launch_server`` process; a context manager that always stops it."""
 
@@ -283,6 +287,16 @@ class Server:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+
+    def serving_compiles(self) -> list[tuple[str, float]]:
+        """The Triton compiles SGLang logged after the server began serving (kernel, seconds):
+        each stalls the engine, and Triton's cache is shared by the machine's servers, so the
+        first server to meet a kernel variant pays for the others."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return [(m[1], float(m[2])) for m in SERVING_COMPILE.finditer(f.read())]
+        except OSError:
+            return []
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -251,6 +251,18 @@ def host_pauses(url: str) -> Optional[dict]:
     return {**dflash["host_pauses"], **graphs}
 
 
+def compile_count(server, where: str, seen: dict) -> list:
+    """``[count, seconds]`` of the server's serving-time Triton compiles so far. A wave that added
+    some is named: its stall is a compile, which the machine's other servers then find cached."""
+    found = server.serving_compiles()
+    label = server.spec.label
+    if len(found) > seen[label]:
+        print(f"[{label}] {where}: {len(found) - seen[label]} Triton compile(s) after serving started "
+              f"({', '.join(f'{k} {t:.2f} s' for k, t in found[seen[label]:])})", flush=True)
+        seen[label] = len(found)
+    return [len(found), round(sum(t for _, t in found), 2)]
+
+
 def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list, wall: float) -> dict:
     row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
     # In workload order, so a request can be set beside another implementation's or a reference run's.
@@ -293,11 +305,15 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
             waves = [work[i:i + conc] for i in range(0, len(work), conc)]
             waves_run = {server.spec.label: [] for server in servers}  # (results, wall) per wave
             pauses = {server.spec.label: [] for server in servers}  # the plugin's host pauses after each wave
+            compiles = {server.spec.label: [] for server in servers}  # serving-time Triton compiles so far
+            seen = {server.spec.label: len(server.serving_compiles()) for server in servers}  # before the waves
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
                 for server in servers[k % len(servers):] + servers[:k % len(servers)]:
                     waves_run[server.spec.label].append(
                         run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
                     pauses[server.spec.label].append(host_pauses(server.url))
+                    compiles[server.spec.label].append(compile_count(server, f"{dataset} c{conc} wave {k}",
+                                                                     seen))
             for server in servers:
                 runs = waves_run[server.spec.label]
                 results = [r for wave_results, _ in runs for r in wave_results]
@@ -310,6 +326,8 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
                 row["wave_ttft_p99_ms"] = [w["ttft_p99_ms"] for w in per_wave]
                 if any(pauses[server.spec.label]):
                     row["wave_host_pauses"] = pauses[server.spec.label]
+                if any(n for n, _ in compiles[server.spec.label]):
+                    row["wave_serving_compiles"] = compiles[server.spec.label]
                 rows.append(row)
             if on_level:
                 on_level(rows)
