@@ -392,7 +392,7 @@ class DFlashWorker(BaseSpecWorker):
         allocator retries), the decode steps and those whose draft or verify ran outside CUDA
         graphs, and, with adaptive width, the widths chosen so far (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
-                "host_pauses": process_pauses().report(getattr(self, "device", None)),
+                "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         if self.width_policy is not None:

@@ -392,12 +392,14 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
 
     import sglang_dflash.integration as integration
     from sglang_dflash.adaptive import CyclingWidths
+    from sglang_dflash.host_pauses import process_pauses
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
     worker.block_size, worker.widths = 16, (16, 4, 1)
     worker.width_policy = CyclingWidths(worker.widths)
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
+    worker.pauses = process_pauses()
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
