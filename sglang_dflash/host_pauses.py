@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import Optional
 
 import torch
@@ -64,3 +65,43 @@ def process_pauses() -> HostPauses:
     if _process_pauses is None:
         _process_pauses = HostPauses()
     return _process_pauses
+
+
+class StepStalls:
+    """Worker calls that took long on the host, or that came long after the call before: a slow
+    wave at a level step time lost its time somewhere between the steps.
+
+    With the overlap schedule a call only launches work, so a long call is the host held up (a JIT
+    compile, a synchronisation) and a long gap is the scheduler waiting for the GPU or busy with
+    something else. :meth:`report` (``/get_server_info``, read between a benchmark's waves)
+    forgets the last call's end, so a pause between waves never counts.
+    """
+
+    def __init__(self, threshold_ms: float = 50.0, keep: int = 32):
+        self.threshold = threshold_ms / 1e3
+        self.calls, self.count, self.total = 0, 0, 0.0
+        self.recent: deque = deque(maxlen=keep)
+        self._start: Optional[float] = None
+        self._last_end: Optional[float] = None
+        self._last_mode = ""
+
+    def begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def end(self, mode: str, bs: int, tokens: int) -> None:
+        now = time.perf_counter()
+        call = now - self._start if self._start is not None else 0.0
+        gap = self._start - self._last_end if self._last_end is not None and self._start is not None else 0.0
+        self.calls += 1
+        if call > self.threshold or gap > self.threshold:
+            self.count += 1
+            self.total += (call if call > self.threshold else 0.0) + (gap if gap > self.threshold else 0.0)
+            self.recent.append([self.calls, f"{self._last_mode or '-'}>{mode}", bs, tokens,
+                                round(call * 1e3, 1), round(gap * 1e3, 1)])
+        self._start, self._last_end, self._last_mode = None, now, mode
+
+    def report(self) -> dict:
+        self._last_end = None
+        return {"calls": self.calls, "over_ms": round(self.threshold * 1e3, 1), "stalls": self.count,
+                "stall_ms": round(self.total * 1e3, 1),
+                "recent": list(self.recent)}  # [call, previous>this mode, bs, tokens, call ms, gap ms]

@@ -65,7 +65,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from . import compat
 from .adaptive import make_width_policy
 from .config import DFlashConfigError, TargetInfo, context_in_verify_graph, verify_widths, width_policy_kind
-from .host_pauses import process_pauses
+from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
 from .ops.fp8 import FP8, Fp8RowwiseLinear
 from .sampling import OutputCounts, to_device_async
@@ -296,6 +296,7 @@ class DFlashWorker(BaseSpecWorker):
             self.context_in_graph = ContextInVerifyGraph(self.write_context_kv)
             self.model_runner.capture_tail_hooks.append(self.context_in_graph.capture_hook)
         self.pauses = process_pauses()  # from now on, for /get_server_info
+        self.stalls = StepStalls()
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
@@ -389,11 +390,12 @@ class DFlashWorker(BaseSpecWorker):
 
     def server_info(self) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
-        allocator retries), the decode steps and those whose draft or verify ran outside CUDA
-        graphs, and, with adaptive width, the widths chosen so far (decode steps per width)."""
+        allocator retries), the worker calls that stalled, the decode steps and those whose draft
+        or verify ran outside CUDA graphs, and, with adaptive width, the widths chosen so far (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
+                "stalls": self.stalls.report(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
@@ -409,6 +411,16 @@ class DFlashWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
                                  ) -> GenerationBatchResult:
         # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
+        self.stalls.begin()
+        try:
+            return self._step(batch, on_publish, grammar_barrier)
+        finally:
+            extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
+            mode = "extend" if extend else "idle" if batch.forward_mode.is_idle() else "decode"
+            tokens = getattr(batch, "extend_num_tokens", None) if extend else None
+            self.stalls.end(mode, len(batch.seq_lens) if batch.seq_lens is not None else 0, int(tokens or 0))
+
+    def _step(self, batch, on_publish, grammar_barrier) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             self.last_step_end = None  # the next decode step's time would include this prefill
             self.pauses.mark_serving()  # full collections from here on hold requests up

@@ -48,7 +48,10 @@ def make_handler(args):
                 if args.accept > 1:  # the plugin's entry; its GC count moves with each request served
                     state["dflash"] = {"block_size": 16, "host_pauses": {"gc_full_collections": count["n"]},
                                        "decode_steps": 4 * count["n"], "eager_drafts": count["n"] // 2,
-                                       "eager_verifies": {"16": count["n"] // 2, "4": 1}}
+                                       "eager_verifies": {"16": count["n"] // 2, "4": 1},
+                                       "stalls": {"calls": 5 * count["n"], "over_ms": 50.0, "stalls": count["n"] // 3,
+                                                  "stall_ms": 60.0 * (count["n"] // 3),
+                                                  "recent": [[5 * count["n"], "decode>extend", 2, 256, 60.0, 1.0]]}}
                 return self._json(200, {"internal_states": [state]})
             self._json(404, {"error": "not found"})
 

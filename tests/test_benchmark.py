@@ -352,6 +352,13 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     # ... and its decode steps and graph misses (verifies summed over widths), to match a slow wave.
     assert [(p["decode_steps"], p["eager_drafts"], p["eager_verifies"]) for p in rows["plugin"]["wave_host_pauses"]] \
         == [(4 * n, n // 2, n // 2 + 1) for n in gcs]
+    assert [(p["stalls"], p["stall_ms"]) for p in rows["plugin"]["wave_host_pauses"]] \
+        == [(n // 3, 60.0 * (n // 3)) for n in gcs]  # stalled worker calls, for a slow wave at a level step
+    for k, n in enumerate(gcs):  # a wave is named when its stall count grew (one request per wave at c1)
+        named = f"[plugin] gsm8k c1 wave {k}: 1 stalled worker call(s) (decode>extend bs=2 tokens=256: " \
+            f"call 60.0 ms, gap 1.0 ms)"
+        assert (named in out) == (n // 3 > (n - 1) // 3)
+    assert any(n // 3 > (n - 1) // 3 for n in gcs)
     assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
     assert rows["plugin"]["wave_serving_compiles"] == [[0, 0.0], [1, 1.18], [1, 1.18]]
     assert "wave_serving_compiles" not in rows["ar"]  # none in its log

@@ -392,14 +392,14 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
 
     import sglang_dflash.integration as integration
     from sglang_dflash.adaptive import CyclingWidths
-    from sglang_dflash.host_pauses import process_pauses
+    from sglang_dflash.host_pauses import StepStalls, process_pauses
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
     worker.block_size, worker.widths = 16, (16, 4, 1)
     worker.width_policy = CyclingWidths(worker.widths)
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
-    worker.pauses = process_pauses()
+    worker.pauses, worker.stalls = process_pauses(), StepStalls()
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -412,13 +412,14 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     state = integration.server_info_hook(sglang_state, scheduler, None).internal_state
     pauses = state["dflash"].pop("host_pauses")
     assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
+    assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": []}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
-    assert fixed.pop("host_pauses") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
+    assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2}}
     monkeypatch.setattr(integration, "_serving", False)
     assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state
@@ -449,6 +450,28 @@ def test_host_pauses_count_full_collections_and_time_the_longest():
         assert 0 < report["gc_total_ms_serving"] < report["gc_total_ms"]
     finally:
         gc.callbacks.remove(pauses._on_gc)
+
+
+def test_step_stalls_name_long_calls_and_gaps_but_not_the_pause_between_waves(monkeypatch):
+    import sglang_dflash.host_pauses as host_pauses
+
+    clock = iter([0.000, 0.010,   # decode: 10 ms call
+                  0.020, 0.220,   # extend: 200 ms call (a compile)
+                  0.230, 0.240,   # decode after 10 ms
+                  0.400, 0.410,   # decode after a 160 ms gap
+                  # server_info read here: the idle time after it is not a gap
+                  5.000, 5.010])
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+    stalls = host_pauses.StepStalls(threshold_ms=50)
+    for mode, bs, tokens in [("decode", 8, 0), ("extend", 3, 384), ("decode", 8, 0), ("decode", 8, 0)]:
+        stalls.begin()
+        stalls.end(mode, bs, tokens)
+    report = stalls.report()
+    assert report["calls"] == 4 and report["stalls"] == 2 and report["stall_ms"] == 360.0
+    assert report["recent"] == [[2, "decode>extend", 3, 384, 200.0, 10.0], [4, "decode>decode", 8, 0, 10.0, 160.0]]
+    stalls.begin()
+    stalls.end("extend", 8, 1024)
+    assert stalls.report()["stalls"] == 2
 
 
 # ---- width 1 as a plain DECODE forward of the target ----------------------------------------------

@@ -240,15 +240,29 @@ def compile_every_level(url: str, label: str, datasets: dict, concurrencies: lis
 
 
 def host_pauses(url: str) -> Optional[dict]:
-    """The plugin's counts so far of full GCs, allocator retries, decode steps and steps whose
-    draft or verify ran outside CUDA graphs (None from other servers)."""
+    """The plugin's counts so far of full GCs, allocator retries, stalled worker calls, decode steps
+    and steps whose draft or verify ran outside CUDA graphs (None from other servers)."""
     dflash = server_info(url).get("dflash") or {}
     if "host_pauses" not in dflash:
         return None
     graphs = {k: dflash[k] for k in ("decode_steps", "eager_drafts") if k in dflash}
     if "eager_verifies" in dflash:
         graphs["eager_verifies"] = sum(dflash["eager_verifies"].values())
+    if "stalls" in dflash:  # worker calls, and gaps between them, over the threshold: the last few named
+        graphs.update({k: dflash["stalls"][k] for k in ("stalls", "stall_ms", "recent")})
     return {**dflash["host_pauses"], **graphs}
+
+
+def name_stalls(label: str, where: str, before: Optional[dict], now: Optional[dict]) -> None:
+    """Print the worker calls that stalled during a wave (the plugin's counts grew), as the sweep
+    names a wave's compiles."""
+    if not now or "stalls" not in now:
+        return
+    added = now["stalls"] - ((before or {}).get("stalls") or 0)
+    if added > 0:
+        shown = "; ".join(f"{mode} bs={bs} tokens={tokens}: call {call} ms, gap {gap} ms"
+                          for _, mode, bs, tokens, call, gap in now["recent"][-min(added, 4):])
+        print(f"[{label}] {where}: {added} stalled worker call(s) ({shown})", flush=True)
 
 
 def compile_count(server, where: str, seen: dict) -> list:
@@ -307,11 +321,15 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
             pauses = {server.spec.label: [] for server in servers}  # the plugin's host pauses after each wave
             compiles = {server.spec.label: [] for server in servers}  # serving-time Triton compiles so far
             seen = {server.spec.label: len(server.serving_compiles()) for server in servers}  # before the waves
+            last = {server.spec.label: host_pauses(server.url) for server in servers}
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
                 for server in servers[k % len(servers):] + servers[:k % len(servers)]:
                     waves_run[server.spec.label].append(
                         run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
-                    pauses[server.spec.label].append(host_pauses(server.url))
+                    now = host_pauses(server.url)
+                    pauses[server.spec.label].append(now)
+                    name_stalls(server.spec.label, f"{dataset} c{conc} wave {k}", last[server.spec.label], now)
+                    last[server.spec.label] = now
                     compiles[server.spec.label].append(compile_count(server, f"{dataset} c{conc} wave {k}",
                                                                      seen))
             for server in servers:
