@@ -411,14 +411,16 @@ class DFlashWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
                                  ) -> GenerationBatchResult:
         # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
+        # Named before the step: a verify leaves the batch in TARGET_VERIFY mode, which counts as extend.
+        extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
+        mode = "extend" if extend else "idle" if batch.forward_mode.is_idle() else "decode"
+        bs = len(batch.seq_lens) if batch.seq_lens is not None else 0
+        tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
         self.stalls.begin()
         try:
             return self._step(batch, on_publish, grammar_barrier)
         finally:
-            extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
-            mode = "extend" if extend else "idle" if batch.forward_mode.is_idle() else "decode"
-            tokens = getattr(batch, "extend_num_tokens", None) if extend else None
-            self.stalls.end(mode, len(batch.seq_lens) if batch.seq_lens is not None else 0, int(tokens or 0))
+            self.stalls.end(mode, bs, tokens)
 
     def _step(self, batch, on_publish, grammar_barrier) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:

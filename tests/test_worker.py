@@ -474,6 +474,30 @@ def test_step_stalls_name_long_calls_and_gaps_but_not_the_pause_between_waves(mo
     assert stalls.report()["stalls"] == 2
 
 
+def test_worker_calls_are_named_by_the_mode_they_came_in():
+    """A verify leaves the batch in TARGET_VERIFY, which SGLang counts as an extend mode: the stall
+    record names the call by the mode the scheduler handed over."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_dflash.host_pauses import StepStalls
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls(threshold_ms=-1)  # every call recorded
+
+    def step(batch, on_publish, grammar_barrier):
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        return "result"
+
+    worker._step = step
+    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, is_extend_in_batch=False, seq_lens=torch.zeros(3))
+    prefill = SimpleNamespace(forward_mode=ForwardMode.EXTEND, is_extend_in_batch=True, seq_lens=torch.zeros(2),
+                              extend_num_tokens=256)
+    assert worker.forward_batch_generation(decode) == "result"
+    worker.forward_batch_generation(prefill)
+    assert [entry[1:4] for entry in worker.stalls.recent] == [["->decode", 3, 0], ["decode>extend", 2, 256]]
+
+
 # ---- width 1 as a plain DECODE forward of the target ----------------------------------------------
 
 
