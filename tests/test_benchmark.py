@@ -837,3 +837,52 @@ def test_first_token_path_follows_the_prefill_to_its_streamed_result():
     assert path["first_tokens_streamed"] == 7.4
     assert path["host_waits"] == [[5.0, 1.5, "cudaStreamSynchronize"]]
     assert first_token_path([e for e in events if "process_batch_result" not in e["name"]]) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pin_moves_every_thread_of_the_server_and_its_children():
+    from sglang_dflash.bench.server import pin_process_tree, process_tree
+
+    script = ("import subprocess, sys, threading, time\n"
+              "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "print('up', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        deadline = time.time() + 10
+        while len(process_tree(proc.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        tree = process_tree(proc.pid)
+        assert len(tree) == 2 and tree[0] == proc.pid
+        one = (min(os.sched_getaffinity(0)),)
+        pin_process_tree(proc.pid, one)
+        tids = [int(t) for pid in tree for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(tids) >= 3  # the server's two threads and its child
+        assert all(os.sched_getaffinity(tid) == set(one) for tid in tids)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_pinned_servers_trade_cpu_slices_wave_by_wave(tmp_path, chat_model, data_dir, monkeypatch, capsys):
+    """With --pin-cpus each server runs its waves on every slice in turn; results keep which."""
+    def command(self, port):
+        return [sys.executable, FAKE, "--port", str(port), "--accept", "1" if self.impl == "ar" else "4"]
+
+    monkeypatch.setattr(ServerSpec, "command", command)
+    monkeypatch.setattr(sweep.os, "sched_getaffinity", lambda pid: set(range(9)))  # 3 slices of 3
+    monkeypatch.setattr(sweep.os, "sched_setaffinity", lambda pid, cpus: None)  # the client's own
+    monkeypatch.setattr(server_mod, "server_preexec", lambda cpus=None: None)  # no real pinning at launch
+    pins = []
+    monkeypatch.setattr(server_mod.Server, "pin", lambda self, cpus: pins.append((self.spec.label, tuple(cpus))))
+    rc = sweep.main(["--model-path", chat_model, "--draft-model-path", "d", "--impls", "ar,plugin",
+                     "--interleave", "--pin-cpus", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
+                     "--concurrencies", "1", "--output-dir", str(tmp_path), "--startup-timeout", "30"])
+    assert rc == 0
+    assert "(the servers trade slices wave by wave)" in capsys.readouterr().out
+    first, second = (0, 1, 2), (3, 4, 5)
+    assert pins == [("ar", first), ("plugin", second), ("ar", second), ("plugin", first),
+                    ("ar", first), ("plugin", second)]
+    rows = {r["label"]: r for r in json.load(open(tmp_path / "results.json"))["rows"]}
+    assert rows["ar"]["wave_first_cpu"] == [0, 3, 0] and rows["plugin"]["wave_first_cpu"] == [3, 0, 3]

@@ -160,6 +160,40 @@ def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], 
     return slices, tuple(cpus[n_servers * per:])
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (Linux, from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def pin_process_tree(root: int, cpus: tuple) -> None:
+    """Every thread of ``root`` and its descendants onto ``cpus`` (threads made later inherit it)."""
+    for pid in process_tree(root):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # the thread ended meanwhile
+                pass
+
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -287,6 +321,11 @@ class Server:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+
+    def pin(self, cpus: tuple) -> None:
+        """Move the running server, SGLang's processes under it and all their threads onto ``cpus``."""
+        if self.proc is not None and self.proc.poll() is None:
+            pin_process_tree(self.proc.pid, cpus)
 
     def serving_compiles(self) -> list[tuple[str, float]]:
         """The Triton compiles SGLang logged after the server began serving (kernel, seconds):

@@ -127,7 +127,8 @@ def build_parser():
                     help="with --interleave: launch every server at once (start-up costs the slowest, not the "
                          "sum); needs --max-total-tokens in --server-args, for models small beside the GPU")
     ap.add_argument("--pin-cpus", action="store_true",
-                    help="with --interleave: each server on its own equal set of CPUs, the client on the rest")
+                    help="with --interleave: each server on its own equal set of CPUs, the client on the rest; "
+                         "the servers trade their sets wave by wave")
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url (one --impls)")
     ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the running server for --skip-launch")
     ap.add_argument("--output-dir", default="bench-out", help="results.json, report.md, plots")
@@ -310,6 +311,11 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
     ``on_level(rows)`` runs after each level (results.json then keeps what a cut-off run measured)."""
     for server in servers:
         compile_every_level(server.url, server.spec.label, datasets, args.concurrencies)
+    # Pinned servers trade CPU slices wave by wave: a slice's cores are not all alike (on one H100
+    # machine the same pair moved c8 and c32 by 2-4% when the two swapped slices), so each server
+    # runs its waves on every slice in turn.
+    home = [server.spec.cpus for server in servers]
+    rotate = len(servers) > 1 and all(home)
     rows = []
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
@@ -322,7 +328,12 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
             compiles = {server.spec.label: [] for server in servers}  # serving-time Triton compiles so far
             seen = {server.spec.label: len(server.serving_compiles()) for server in servers}  # before the waves
             last = {server.spec.label: host_pauses(server.url) for server in servers}
+            slices = {server.spec.label: [] for server in servers}  # the CPU slice (first CPU) of each wave
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
+                if rotate:
+                    for i, server in enumerate(servers):
+                        server.pin(home[(i + k) % len(servers)])
+                        slices[server.spec.label].append(min(home[(i + k) % len(servers)]))
                 for server in servers[k % len(servers):] + servers[:k % len(servers)]:
                     waves_run[server.spec.label].append(
                         run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
@@ -346,6 +357,8 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
                     row["wave_host_pauses"] = pauses[server.spec.label]
                 if any(n for n, _ in compiles[server.spec.label]):
                     row["wave_serving_compiles"] = compiles[server.spec.label]
+                if rotate:
+                    row["wave_first_cpu"] = slices[server.spec.label]
                 rows.append(row)
             if on_level:
                 on_level(rows)
@@ -418,7 +431,8 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         slices, client = cpu_slices(sorted(os.sched_getaffinity(0)), len(specs))
         specs = [replace(spec, cpus=cpus) for spec, cpus in zip(specs, slices)]
         os.sched_setaffinity(0, client)
-        print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)}", flush=True)
+        print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)} "
+              f"(the servers trade slices wave by wave)", flush=True)
     sized = "--mem-fraction-static" not in server_flags(args)
     with contextlib.ExitStack() as stack:
         servers, launched = [], []
