@@ -5,7 +5,7 @@
 #   bash lab/gpu_rig.sh bench WEIGHTS BACKEND OUTDIR     ar, plugin and built-in interleaved, c1/c8/c32
 # WEIGHTS: zero (every draft accepted) or random (tau ~ 1); BACKEND: fa3, triton or flashinfer.
 # SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES,
-# CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 8; 1,8,32; 32); EXTRA_FLAGS
+# CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 24; 1,8,32; 32); EXTRA_FLAGS
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps.
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
@@ -34,7 +34,7 @@ case $mode in
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)
         python3 -m sglang_dflash.bench.sweep --rig "$weights" --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
-            --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-8}" --max-new-tokens 256 \
+            --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens 256 \
             $([ "${PIN:-0}" = 1 ] && echo --pin-cpus) \
             --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
     *) echo "gpu_rig.sh: unknown mode $mode (profile or bench)" >&2; exit 2 ;;
