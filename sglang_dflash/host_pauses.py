@@ -2,7 +2,8 @@
 
 Some waves of a benchmark run far slower than their neighbours, at the same step time. Full garbage
 collections and allocator retries would stop the scheduler like that: a run records how many there
-were and the longest one, so such a wave can be checked against them.
+were and the longest one, so such a wave can be checked against them. :class:`StepStalls` names the
+worker calls that took long, or came long after the one before, whatever held them up.
 """
 
 from __future__ import annotations

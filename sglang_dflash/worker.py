@@ -391,7 +391,8 @@ class DFlashWorker(BaseSpecWorker):
     def server_info(self) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
         allocator retries), the worker calls that stalled, the decode steps and those whose draft
-        or verify ran outside CUDA graphs, and, with adaptive width, the widths chosen so far (decode steps per width)."""
+        or verify ran outside CUDA graphs, and, with adaptive width, the widths chosen so far
+        (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
