@@ -246,6 +246,61 @@ class CyclingWidths:
         return dict(sorted(self.used.items(), reverse=True))
 
 
+class DraftHealth:
+    """Per-request fallback: a request whose drafts keep failing verifies its bonus token alone.
+
+    After ``misses`` verified steps in a row that accepted no draft, a request goes to width 1 (a
+    plain decode inside the batch) and every ``retry_every``-th step of its fallback it is given the
+    batch's width again; a retry that accepts a draft brings it back. Accept lengths arrive one step
+    late (the overlap schedule), so a width is chosen from the history up to the step before. Only
+    the requests in the current batch are remembered: one that leaves and comes back starts healthy.
+    """
+
+    def __init__(self, misses: int = 4, retry_every: int = 16):
+        if misses < 1 or retry_every < 1:
+            raise ValueError("misses and retry_every are at least 1")
+        self.misses_to_fallback, self.retry_every = misses, retry_every
+        self.misses: dict = {}  # rid -> verified steps in a row without an accepted draft
+        self.fallback_steps: dict = {}  # rid -> steps taken in fallback (absent: healthy)
+        self.fallback_requests = 0  # requests that went to fallback, counted once per entry
+
+    def widths(self, rids: Sequence, batch_width: int) -> list[int]:
+        """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
+        live = set(rids)
+        for table in (self.misses, self.fallback_steps):
+            for rid in [r for r in table if r not in live]:
+                del table[rid]
+        out = []
+        for rid in rids:
+            steps = self.fallback_steps.get(rid)
+            if steps is None or batch_width == 1:
+                out.append(batch_width)
+                continue
+            self.fallback_steps[rid] = steps + 1
+            out.append(batch_width if (steps + 1) % self.retry_every == 0 else 1)
+        return out
+
+    def observe(self, rids: Sequence, widths: Sequence[int], accept_lens: Sequence[int]) -> None:
+        """One verified step: each request's width and its accepted drafts (the bonus excluded)."""
+        for rid, width, accepted in zip(rids, widths, accept_lens):
+            if width == 1:
+                continue  # no draft was judged
+            if accepted > 0:
+                self.misses.pop(rid, None)
+                self.fallback_steps.pop(rid, None)
+                continue
+            if rid in self.fallback_steps:
+                continue  # a failed retry: stay, and wait for the next one
+            self.misses[rid] = self.misses.get(rid, 0) + 1
+            if self.misses[rid] >= self.misses_to_fallback:
+                del self.misses[rid]
+                self.fallback_steps[rid] = 0
+                self.fallback_requests += 1
+
+    def in_fallback(self) -> int:
+        return len(self.fallback_steps)
+
+
 def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):
     """``throughput`` (:class:`WidthPolicy`) or ``cycle`` (:class:`CyclingWidths`)."""
     return CyclingWidths(widths) if kind == "cycle" else WidthPolicy(block_size, widths)

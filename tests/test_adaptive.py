@@ -277,3 +277,79 @@ def test_the_cycling_policy_changes_width_every_step():
     assert all(a != b for a, b in zip(chosen, chosen[1:]))
     assert policy.widths_used() == {16: 3, 4: 2, 1: 2}
     assert isinstance(make_width_policy("throughput", 16, (16, 8)), WidthPolicy)
+
+
+# ---- per request: the health fallback and the ragged block it verifies ----------------------------
+
+
+def test_a_request_whose_drafts_keep_failing_falls_back_and_is_retried():
+    from sglang_dflash.adaptive import DraftHealth
+
+    health = DraftHealth(misses=3, retry_every=4)
+    seen = []
+    for step in range(12):
+        widths = health.widths(["good", "bad"], 16)
+        seen.append(widths[1])
+        assert widths[0] == 16  # a healthy request keeps the batch's width
+        health.observe(["good", "bad"], widths, [5, 0])
+    # Three misses at full width, then width 1, with the batch's width every 4th fallback step.
+    assert seen == [16, 16, 16, 1, 1, 1, 16, 1, 1, 1, 16, 1]
+    assert health.fallback_requests == 1 and health.in_fallback() == 1
+    widths = health.widths(["good", "bad"], 16)
+    health.observe(["good", "bad"], widths, [5, 2])  # not a retry step: width 1 judges no draft
+    assert widths == [16, 1] and health.in_fallback() == 1
+    for _ in range(2):
+        widths = health.widths(["good", "bad"], 16)
+        health.observe(["good", "bad"], widths, [5, 2 if widths[1] > 1 else 0])
+    assert widths == [16, 16] and health.in_fallback() == 0  # the retry accepted a draft: healthy again
+    assert health.widths(["good", "bad"], 16) == [16, 16] and health.fallback_requests == 1
+
+
+def test_draft_health_forgets_requests_that_left_and_follows_a_narrower_batch_width():
+    from sglang_dflash.adaptive import DraftHealth
+
+    health = DraftHealth(misses=1, retry_every=2)
+    health.observe(["a", "b"], health.widths(["a", "b"], 8), [0, 0])
+    assert health.widths(["a", "b"], 8) == [1, 1] and health.in_fallback() == 2
+    assert health.widths(["b"], 1) == [1] and health.in_fallback() == 1  # "a" finished
+    assert health.widths(["a"], 8) == [8]  # a new request under an old id starts healthy
+    health.observe(["b"], [1], [0])  # a step at width 1 judges nothing
+    assert health.fallback_requests == 2
+    with pytest.raises(ValueError):
+        DraftHealth(misses=0)
+
+
+@torch.no_grad()
+def test_a_ragged_block_accepts_what_each_request_would_accept_at_its_own_width():
+    """Lanes packed per request, the target's choices scattered back, the unverified candidates
+    masked: every request accepts, commits and takes the bonus it would alone at its width."""
+    from sglang_dflash.ops.ragged import UNVERIFIED, RaggedLanes
+    from sglang_dflash.reference import accept_block
+
+    gen = torch.Generator().manual_seed(0)
+    bs, B, vocab = 12, 8, 5  # a small vocabulary: long accepted runs
+    for trial in range(50):
+        candidates = torch.randint(0, vocab, (bs, B), generator=gen)
+        choices = torch.randint(0, vocab, (bs, B), generator=gen)  # the target's choice after each candidate
+        choices[:, :-1] = torch.where(torch.rand(bs, B - 1, generator=gen) < 0.7, candidates[:, 1:], choices[:, :-1])
+        widths = torch.randint(1, B + 1, (bs,), generator=gen).tolist()
+        widths[trial % bs] = B
+        lanes = RaggedLanes.from_widths(widths, "cpu", padded=sum(widths) + trial % 5)
+        packed_ids = lanes.pack(candidates)
+        assert packed_ids[lanes.total:].eq(0).all() and packed_ids.shape[0] == lanes.padded  # pad lanes: slot/id 0
+        # The verify computes a choice at each packed lane only (pad lanes: garbage).
+        verified = lanes.pack(choices, pad=3)
+        got = accept_block(lanes.mask_unverified(candidates), lanes.unpack(verified, B))
+        for i, w in enumerate(widths):
+            alone = accept_block(candidates[i:i + 1, :w], choices[i:i + 1, :w])
+            assert got.accept_len[i] == alone.accept_len[0] <= w - 1
+            assert got.bonus[i] == alone.bonus[0]
+            n = int(alone.commit_len[0])
+            assert torch.equal(got.out_tokens[i, :n], alone.out_tokens[0, :n])
+        assert (got.out_tokens >= 0).all()  # every column holds a token id (logprobs gather them all)
+    masked = RaggedLanes.from_widths([1, 3], "cpu").mask_unverified(torch.arange(8).view(2, 4))
+    assert masked.tolist() == [[0, UNVERIFIED, UNVERIFIED, UNVERIFIED], [4, 5, 6, UNVERIFIED]]
+    with pytest.raises(ValueError):
+        RaggedLanes.from_widths([2, 0], "cpu")
+    with pytest.raises(ValueError):
+        RaggedLanes.from_widths([2, 3], "cpu", padded=4)
