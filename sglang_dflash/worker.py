@@ -415,7 +415,8 @@ class DFlashWorker(BaseSpecWorker):
         # Named before the step: a verify leaves the batch in TARGET_VERIFY mode, which counts as extend.
         extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
         mode = "extend" if extend else "idle" if batch.forward_mode.is_idle() else "decode"
-        bs = len(batch.seq_lens) if batch.seq_lens is not None else 0
+        seq_lens = getattr(batch, "seq_lens", None)
+        bs = len(seq_lens) if seq_lens is not None else 0
         tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
         self.stalls.begin()
         try:

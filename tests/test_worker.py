@@ -10,6 +10,7 @@ from conftest import draft_config_dict
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
 from sglang_dflash.config import DFlashDraftConfig
+from sglang_dflash.host_pauses import StepStalls
 from sglang_dflash.reference import ReferenceDraft
 from sglang_dflash.worker import DraftWindow, StepBuffers, extend_positions, mamba_track_steps
 
@@ -265,6 +266,7 @@ def narrow_worker(monkeypatch, B=8):
 
     monkeypatch.setattr(worker_mod, "prepare_block", prepare_block)
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.block_size, worker.mask_token_id, worker.window, worker.context_in_graph = B, 99, None, None
     worker.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
         req_to_token=torch.arange(4 * 64).view(4, 64) + 1000))
@@ -299,6 +301,7 @@ def test_the_target_runs_a_narrower_block_on_that_widths_backend_and_graphs_then
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.model_runner = SimpleNamespace(attn_backend="b16", decode_cuda_graph_runner="g16")
     worker.width_pairs = {4: ("b4", "g4")}
     with DFlashWorker.target_at_width(worker, 4):
@@ -325,6 +328,7 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
 
     seen = []
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
     worker.steps_in_flight = deque([(8, 2, None, Event(5.0)), (8, 2, Event(5.0), Event(17.0)),
                                     (1, 2, Event(17.0), Event(20.0, done=False))])
@@ -351,6 +355,7 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
 
     monkeypatch.setattr(worker_mod.torch.cuda, "Event", Event)
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.steps_in_flight, worker.last_step_end = deque(), None
     DFlashWorker.time_step(worker, 16, 4)
     DFlashWorker.time_step(worker, 1, 4)
@@ -372,6 +377,7 @@ def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
 
     monkeypatch.setattr(worker_mod, "WIDTHS_LOG_EVERY", 4)
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.width_policy, worker.steps_in_flight = CyclingWidths((16, 4, 1)), deque()
     done = SimpleNamespace(query=lambda: False)
     with caplog.at_level("INFO", logger="sglang_dflash"):
@@ -392,14 +398,15 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
 
     import sglang_dflash.integration as integration
     from sglang_dflash.adaptive import CyclingWidths
-    from sglang_dflash.host_pauses import StepStalls, process_pauses
+    from sglang_dflash.host_pauses import process_pauses
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.block_size, worker.widths = 16, (16, 4, 1)
     worker.width_policy = CyclingWidths(worker.widths)
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
-    worker.pauses, worker.stalls = process_pauses(), StepStalls()
+    worker.pauses = process_pauses()
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -479,7 +486,6 @@ def test_worker_calls_are_named_by_the_mode_they_came_in():
     record names the call by the mode the scheduler handed over."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_dflash.host_pauses import StepStalls
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
@@ -707,6 +713,7 @@ def test_width_one_decodes_where_the_targets_decode_planning_takes_the_device_le
     monkeypatch.setattr(compat.SGLangRelease, "build_width_runners",
                         lambda self, mr, widths, capture, decode_width_one: built.append(decode_width_one) or {})
     worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
     worker.release, worker.block_size, worker.widths = compat.running(), 16, widths
     worker.width_policy = SimpleNamespace()
     worker.model_runner = SimpleNamespace(attn_backend=type(backend, (), {})(), decode_cuda_graph_runner="g16")
