@@ -161,31 +161,23 @@ def cpu_slices(cpus: list[int], n_servers: int) -> tuple[list[tuple[int, ...]], 
 
 
 def process_tree(root: int) -> list[int]:
-    """``root`` and every process descended from it (Linux, from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+    """``root`` and every process descended from it."""
+    import psutil  # SGLang's own dependency
+
+    try:
+        return [root] + [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def pin_process_tree(root: int, cpus: tuple) -> None:
     """Every thread of ``root`` and its descendants onto ``cpus`` (threads made later inherit it)."""
+    import psutil
+
     for pid in process_tree(root):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
+            tids = [thread.id for thread in psutil.Process(pid).threads()]
+        except psutil.NoSuchProcess:
             continue
         for tid in tids:
             try:

@@ -332,8 +332,9 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
                 if rotate:
                     for i, server in enumerate(servers):
-                        server.pin(home[(i + k) % len(servers)])
-                        slices[server.spec.label].append(min(home[(i + k) % len(servers)]))
+                        cpus = home[(i + k) % len(servers)]
+                        server.pin(cpus)
+                        slices[server.spec.label].append(min(cpus))
                 for server in servers[k % len(servers):] + servers[:k % len(servers)]:
                     waves_run[server.spec.label].append(
                         run_requests(server.url, wave, conc, desc=f"{server.spec.label} wave {k}"))
