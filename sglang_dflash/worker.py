@@ -420,18 +420,18 @@ class DFlashWorker(BaseSpecWorker):
         tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
         self.stalls.begin()
         try:
-            return self._step(batch, on_publish, grammar_barrier)
+            return self._step(batch, mode, on_publish, grammar_barrier)
         finally:
             self.stalls.end(mode, bs, tokens)
 
-    def _step(self, batch, on_publish, grammar_barrier) -> GenerationBatchResult:
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+    def _step(self, batch, mode: str, on_publish, grammar_barrier) -> GenerationBatchResult:
+        if mode == "extend":
             self.last_step_end = None  # the next decode step's time would include this prefill
             self.pauses.mark_serving()  # full collections from here on hold requests up
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
             batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
-        if batch.forward_mode.is_idle():
+        if mode == "idle":
             self.last_step_end = None
             return self._idle_result(on_publish)
 

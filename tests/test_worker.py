@@ -491,7 +491,7 @@ def test_worker_calls_are_named_by_the_mode_they_came_in():
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls(threshold_ms=-1)  # every call recorded
 
-    def step(batch, on_publish, grammar_barrier):
+    def step(batch, mode, on_publish, grammar_barrier):
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         return "result"
 
