@@ -7,7 +7,8 @@
 # SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES,
 # CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 24; 1,8,32; 32); EXTRA_FLAGS
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
-# WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps.
+# WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps;
+# LIGHT=1 traces without Python stacks and reports only where the GPU sits idle between kernels.
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
@@ -30,6 +31,7 @@ case $mode in
     profile)
         python3 -m sglang_dflash.bench.profile_step --rig "$weights" --impls "${IMPLS:-plugin,builtin}" \
             --concurrency "$concs" --steps 20 --trace-dir /tmp/traces-$weights-$backend \
+            $([ "${LIGHT:-0}" = 1 ] && echo --light) \
             $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens 2048") \
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)

@@ -22,7 +22,7 @@ from sglang_dflash.train import __main__ as train_cli
 from sglang_dflash.train import plot as train_plot
 from sglang_dflash.bench.client import RequestResult, get_json
 from sglang_dflash.bench.pool import main as pool_main
-from sglang_dflash.bench.profile_step import first_token_path, summarize_trace, worker_steps
+from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summarize_trace, worker_steps
 from sglang_dflash.bench.report import paired_wave_table, plot
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import paired_ratio_stats, side_by_side, summarize, ttft_parts, ttft_parts_summary
@@ -489,6 +489,33 @@ def test_step_profile_summary_splits_host_and_gpu_time():
     }
     assert s["kernels_us_per_step_by_caller"][f"{draft} > {mm}"] == {"gemm": 5.0}
     assert s["host_wait_us_per_step_by_caller"] == {f"{worker} : cudaStreamSynchronize": 1.5}
+
+
+def test_idle_gaps_name_the_kernel_that_ends_each_gap_and_what_the_late_host_was_doing():
+    ev = lambda name, cat, ts, dur, tid=1, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts,  # noqa: E731
+                                                    "dur": dur, "pid": 0, "tid": tid, "args": args}
+    events = [
+        ev("draft_gemm", "kernel", 0, 10, tid=7, correlation=1),
+        ev("cudaGraphLaunch", "cuda_runtime", -5, 2, correlation=1),
+        # launched early: the 5 us gap is the GPU's own (no host blame)
+        ev("verify_gemm", "kernel", 15, 20, tid=7, correlation=2),
+        ev("cudaGraphLaunch", "cuda_runtime", 1, 2, correlation=2),
+        ev("copy", "gpu_memcpy", 30, 10, tid=8),  # on another stream, overlapping: no gap
+        # the host syncs, then runs an op, then launches late: gap 40 -> 60
+        ev("cudaStreamSynchronize", "cuda_runtime", 36, 10),
+        ev("aten::argmax", "cpu_op", 47, 8),
+        ev("cudaLaunchKernel", "cuda_runtime", 49, 2, correlation=3),  # inside argmax: not outermost
+        ev("cudaLaunchKernel", "cuda_runtime", 56, 3, correlation=4),
+        ev("accept", "kernel", 60, 5, tid=7, correlation=4),
+        ev("tiny", "kernel", 66, 1, tid=7),  # a 1 us gap: under the threshold
+    ]
+    g = idle_gaps(events, steps=1)
+    assert g["gpu_span_us_per_step"] == 67.0 and g["gpu_idle_us_per_step"] == 25.0
+    assert g["gpu_busy_us_per_step"] == 42.0
+    assert g["idle_before"] == {"accept (via cudaLaunchKernel)": 20.0, "verify_gemm (via cudaGraphLaunch)": 5.0}
+    assert g["host_late_launching"] == {"cudaLaunchKernel": 19.0}
+    assert g["host_doing_while_late"] == {"cudaStreamSynchronize": 6.0, "aten::argmax": 8.0}
+    assert idle_gaps([ev("cpu", "cpu_op", 0, 1)], steps=1) == {}
 
 
 def test_wave_profile_counts_worker_calls():

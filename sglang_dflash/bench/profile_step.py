@@ -181,6 +181,58 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
     }
 
 
+GPU_BUSY = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int = 12) -> dict:
+    """Where the GPU waits within steady decoding, from a trace without Python stacks (``--light``;
+    stack tracing slows the host several-fold and makes every step look host-bound). Each idle
+    stretch is named by the kernel that ends it and the host call that launched that kernel; when
+    that launch came after the GPU had gone idle, the host was late, and the CPU ops it ran on that
+    thread in the meantime (outermost only) say what it was doing."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    busy = sorted((e for e in complete if e.get("cat") in GPU_BUSY), key=lambda e: e["ts"])
+    if not busy:
+        return {}
+    launches = {e["args"]["correlation"]: e for e in complete
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    ops = defaultdict(list)  # (pid, tid) -> outermost CPU ops, in time order
+    for e in sorted((e for e in complete if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")),
+                    key=lambda e: (e["ts"], -e["dur"])):
+        thread = ops[(e.get("pid"), e.get("tid"))]
+        if not thread or e["ts"] >= thread[-1]["ts"] + thread[-1]["dur"]:
+            thread.append(e)
+    by_next, host_late, host_doing = defaultdict(float), defaultdict(float), defaultdict(float)
+    idle = 0.0
+    end = busy[0]["ts"] + busy[0]["dur"]
+    for e in busy[1:]:
+        gap = e["ts"] - end
+        if gap > min_gap_us:
+            idle += gap
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            via = launch["name"] if launch else "no launch seen"
+            by_next[f"{e['name'][:60]} (via {via})"] += gap
+            if launch is not None and launch["ts"] + launch["dur"] > end:
+                late = min(gap, launch["ts"] + launch["dur"] - end)
+                host_late[via] += late
+                for op in ops[(launch.get("pid"), launch.get("tid"))]:
+                    lo, hi = max(op["ts"], end), min(op["ts"] + op["dur"], launch["ts"])
+                    if hi > lo:
+                        host_doing[op["name"][:80]] += hi - lo
+        end = max(end, e["ts"] + e["dur"])
+    span = end - busy[0]["ts"]
+    per_step = lambda us: round(us / steps, 1)  # noqa: E731
+    ranked = lambda d: {k: per_step(v) for k, v in sorted(d.items(), key=lambda x: -x[1])[:top]}  # noqa: E731
+    return {
+        "gpu_span_us_per_step": per_step(span),
+        "gpu_busy_us_per_step": per_step(span - idle),
+        "gpu_idle_us_per_step": per_step(idle),
+        "idle_before": ranked(by_next),
+        "host_late_launching": ranked(host_late),
+        "host_doing_while_late": ranked(host_doing),
+    }
+
+
 # A decode step's phases, from the worker call that launched each kernel (plugin and built-in
 # names alike; first match wins). The built-in's target prefill and verify share one call site.
 PHASES = (
@@ -264,7 +316,7 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> d
     else:
         payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
                                                              "ignore_eos": True}}
-    start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": True}
+    start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": not args.light}
     wave = None
     batch = [payload] * concurrency
     if args.wave:
@@ -289,6 +341,8 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> d
     steps = worker_steps(events) if args.wave else args.steps
     if not steps:
         raise SystemExit(f"{spec.label}: the trace holds no call of the speculative worker")
+    if args.light:
+        return {"trace": os.path.basename(traces[-1]), "steps": steps, **idle_gaps(events, steps)}
     report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
     report["phases_us_per_step"] = phase_table(report)
     if wave is not None:
@@ -310,6 +364,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="steady mode: steps to trace")
     ap.add_argument("--wave", action="store_true",
                     help="trace one whole wave of --concurrency requests instead of --steps steps mid-flight")
+    ap.add_argument("--light", action="store_true",
+                    help="trace without Python stacks and summarise only where the GPU sits idle and why "
+                         "(stack tracing slows the host several-fold)")
     ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (EOS ignored)")
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.",
                     help="the one prompt every request sends")
@@ -349,8 +406,9 @@ def main(argv=None) -> int:
         with open(os.path.join(args.output_dir, "profile_step.json"), "w") as f:
             json.dump(report, f, indent=1)
         level, last = next(reversed(levels.items()))
-        print(json.dumps({impl: {level: {k: last[k] for k in ("trace_span_us_per_step", "gpu_kernel_us_per_step",
-                                                              "kernel_launches_per_step")}}}), flush=True)
+        keys = (("gpu_span_us_per_step", "gpu_busy_us_per_step", "gpu_idle_us_per_step") if args.light else
+                ("trace_span_us_per_step", "gpu_kernel_us_per_step", "kernel_launches_per_step"))
+        print(json.dumps({impl: {level: {k: last.get(k) for k in keys}}}), flush=True)
 
     for impl in impls:
         spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, server_args)
