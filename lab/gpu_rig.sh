@@ -8,7 +8,8 @@
 # CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 24; 1,8,32; 32); EXTRA_FLAGS
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps;
-# LIGHT=1 traces without Python stacks and reports only where the GPU sits idle between kernels.
+# LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
+# both servers over the same context lengths; steady mode starts each trace at a context of its own).
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail

@@ -221,6 +221,9 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
                         host_doing[op["name"][:80]] += hi - lo
         end = max(end, e["ts"] + e["dur"])
     span = end - busy[0]["ts"]
+    kernel_time = defaultdict(float)
+    for e in busy:
+        kernel_time[e["name"][:90]] += e["dur"]
     per_step = lambda us: round(us / steps, 1)  # noqa: E731
     ranked = lambda d: {k: per_step(v) for k, v in sorted(d.items(), key=lambda x: -x[1])[:top]}  # noqa: E731
     return {
@@ -230,6 +233,7 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
         "idle_before": ranked(by_next),
         "host_late_launching": ranked(host_late),
         "host_doing_while_late": ranked(host_doing),
+        "kernels_us_per_step": ranked(kernel_time),
     }
 
 
@@ -338,11 +342,18 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> d
     if not traces:
         raise SystemExit(f"{spec.label}: no trace written to {trace_dir}")
     events = load_trace(traces[-1])
-    steps = worker_steps(events) if args.wave else args.steps
+    if args.wave and args.light:  # no Python frames to count: every request of a wave verifies in each step
+        steps = max(1, round(wave["spec_verify_ct"] / concurrency))
+    else:
+        steps = worker_steps(events) if args.wave else args.steps
     if not steps:
         raise SystemExit(f"{spec.label}: the trace holds no call of the speculative worker")
     if args.light:
-        return {"trace": os.path.basename(traces[-1]), "steps": steps, **idle_gaps(events, steps)}
+        report = {"trace": os.path.basename(traces[-1]), "steps": steps, **idle_gaps(events, steps)}
+        if wave is not None:
+            report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
+                                                   "accept_length", "wall_s", "output_tok_s")}
+        return report
     report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
     report["phases_us_per_step"] = phase_table(report)
     if wave is not None:
@@ -365,8 +376,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wave", action="store_true",
                     help="trace one whole wave of --concurrency requests instead of --steps steps mid-flight")
     ap.add_argument("--light", action="store_true",
-                    help="trace without Python stacks and summarise only where the GPU sits idle and why "
-                         "(stack tracing slows the host several-fold)")
+                    help="trace without Python stacks and summarise only kernel time and where the GPU sits "
+                         "idle and why (stack tracing slows the host several-fold); with --wave, both servers "
+                         "are traced over the same context lengths")
     ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (EOS ignored)")
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.",
                     help="the one prompt every request sends")
