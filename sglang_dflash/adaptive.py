@@ -201,6 +201,10 @@ class WidthPolicy:
         if width > 1:
             self.acceptance.update(accept_lens, width)
 
+    def count(self, bs: int, width: int, why: str) -> None:
+        """A step whose width was set outside the policy (every request in fallback)."""
+        self.reasons[bucket(bs), width, why] += 1
+
     def widths_used(self) -> dict[int, int]:
         used: Counter = Counter()
         for (_, width, _), n in self.reasons.items():
@@ -241,6 +245,9 @@ class CyclingWidths:
 
     def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float]) -> None:
         pass
+
+    def count(self, bs: int, width: int, why: str) -> None:
+        self.used[width] += 1
 
     def widths_used(self) -> dict[int, int]:
         return dict(sorted(self.used.items(), reverse=True))
@@ -299,6 +306,43 @@ class DraftHealth:
 
     def in_fallback(self) -> int:
         return len(self.fallback_steps)
+
+
+class ForcedFallback:
+    """Requests in and out of fallback on a fixed pattern, whatever they accept, so a lossless
+    check crosses every case: every third step the whole batch falls back (a plain decode step),
+    and on the others every other request does, the pattern shifting by one each step. Same
+    interface as :class:`DraftHealth`."""
+
+    def __init__(self):
+        self.steps = 0
+        self.seen: set = set()  # requests in the batch that have fallen back at least once
+        self.fallback_requests = 0
+        self.current = 0
+
+    def widths(self, rids: Sequence, batch_width: int) -> list[int]:
+        self.steps += 1
+        if self.steps % 3 == 0:
+            out = [1] * len(rids)
+        else:
+            out = [1 if (i + self.steps) % 2 else batch_width for i in range(len(rids))]
+        self.seen &= set(rids)
+        fell = {rid for rid, w in zip(rids, out) if w == 1}
+        self.fallback_requests += len(fell - self.seen)
+        self.seen |= fell
+        self.current = len(fell)
+        return out
+
+    def observe(self, rids: Sequence, widths: Sequence[int], accept_lens: Sequence[int]) -> None:
+        pass
+
+    def in_fallback(self) -> int:
+        return self.current
+
+
+def make_fallback(mode: str):
+    """``on`` (:class:`DraftHealth`), ``force`` (:class:`ForcedFallback`) or ``off`` (None)."""
+    return {"on": DraftHealth, "force": ForcedFallback}.get(mode, lambda: None)()
 
 
 def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):

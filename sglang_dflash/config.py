@@ -28,6 +28,8 @@ CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
 WIDTHS_ENV = "SGLANG_DFLASH_WIDTHS"
 WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
 WIDTH_POLICIES = ("throughput", "cycle")
+FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
+FALLBACK_MODES = ("on", "off", "force")
 IMPLEMENTATIONS = ("plugin", "builtin")
 
 
@@ -75,6 +77,20 @@ def width_policy_kind() -> str:
     if kind not in WIDTH_POLICIES:
         raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of {', '.join(WIDTH_POLICIES)}")
     return kind
+
+
+def draft_fallback(widths: tuple[int, ...]) -> str:
+    """The per-request fallback (:class:`~sglang_dflash.adaptive.DraftHealth`): ``on`` by default
+    when width 1 is among the verify widths (a batch whose every request falls back must run a
+    plain decode step), ``off``, or ``force`` (a fixed pattern of requests in and out of fallback,
+    for lossless checks)."""
+    mode = os.environ.get(FALLBACK_ENV, "").strip().lower()
+    if mode and mode not in FALLBACK_MODES:
+        raise DFlashConfigError(FALLBACK_ENV, f"{mode!r} is not one of {', '.join(FALLBACK_MODES)}")
+    if mode in ("on", "force") and 1 not in widths:
+        raise DFlashConfigError(FALLBACK_ENV, f"{mode!r} needs width 1 among the verify widths "
+                                              f"({WIDTHS_ENV}=auto or a list holding 1)")
+    return mode or ("on" if 1 in widths else "off")
 
 
 DEFAULT_BLOCK_SIZE = 16

@@ -63,11 +63,13 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from . import compat
-from .adaptive import make_width_policy
-from .config import DFlashConfigError, TargetInfo, context_in_verify_graph, verify_widths, width_policy_kind
+from .adaptive import make_fallback, make_width_policy
+from .config import (DFlashConfigError, TargetInfo, context_in_verify_graph, draft_fallback, verify_widths,
+                     width_policy_kind)
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
 from .ops.fp8 import FP8, Fp8RowwiseLinear
+from .ops.ragged import mask_unverified
 from .sampling import OutputCounts, to_device_async
 
 logger = logging.getLogger("sglang_dflash")
@@ -281,9 +283,13 @@ class DFlashWorker(BaseSpecWorker):
         if len(self.widths) > 1:
             self._check_adaptive_width_serves(server_args)
             self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
+        # Per request: drafts that keep failing are not verified (adaptive.DraftHealth); needs width 1.
+        self.fallback = make_fallback(draft_fallback(self.widths))
+        self.widths_logged_at = 0
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
-        self.steps_in_flight: deque = deque()  # (width, bs, start, end) of steps whose accept lens are due
+        # (width, bs, start, end, rids, per-request widths) of the steps whose accept lengths are due
+        self.steps_in_flight: deque = deque()
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
         # Decode steps, and the drafts and verifies among them that ran outside CUDA graphs (each one
         # slows a host-bound server down).
@@ -405,6 +411,9 @@ class DFlashWorker(BaseSpecWorker):
                 info["step_ms"] = self.width_policy.step_ms()
                 info["choices"] = self.width_policy.choices()
                 info["acceptance_rates"] = self.width_policy.acceptance_rates()
+        if self.fallback is not None:
+            info["fallback"] = {"policy": type(self.fallback).__name__, "requests": self.fallback.fallback_requests,
+                                "in_fallback": self.fallback.in_fallback()}
         return info
 
     # ---- one scheduler step ------------------------------------------------------------------
@@ -437,7 +446,7 @@ class DFlashWorker(BaseSpecWorker):
 
         batch.seq_lens.record_stream(torch.cuda.current_stream())  # may come from the FutureMap stream
         bs = len(batch.seq_lens)
-        width = self.width_policy.choose(bs) if self.width_policy is not None else self.block_size
+        width, request_widths = self.choose_widths(batch, bs)
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
@@ -453,7 +462,7 @@ class DFlashWorker(BaseSpecWorker):
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
         penalty_rows = self.output_counts.batch_rows(batch.reqs)
-        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows)
+        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows, request_widths)
         if penalty_rows is not None:
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
         if batch.return_logprob:
@@ -466,7 +475,7 @@ class DFlashWorker(BaseSpecWorker):
             self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
         logits_output.hidden_states = None  # never copied to the host
         if self.width_policy is not None:
-            self.time_step(width, bs)
+            self.time_step(width, bs, request_widths)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=accepted.out_tokens.reshape(-1),
@@ -477,14 +486,28 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=accepted.new_seq_lens,
         )
 
-    def time_step(self, width: int, bs: int) -> None:
+    def choose_widths(self, batch, bs: int) -> tuple[int, Optional[list]]:
+        """The batch's verify width and, with the per-request fallback, ``(rids, widths)``: each
+        request's own, at most the batch's (1 in fallback, or on a retry the batch's). When every
+        request is in fallback the step is a plain decode (width 1) whatever the policy would pick."""
+        if self.fallback is None:
+            return (self.width_policy.choose(bs) if self.width_policy is not None else self.block_size), None
+        rids = [req.rid for req in batch.reqs]
+        widths = self.fallback.widths(rids, self.block_size)
+        if max(widths, default=1) == 1:
+            self.width_policy.count(bs, 1, "fallback")
+            return 1, (rids, widths)
+        width = self.width_policy.choose(bs)
+        return width, (rids, [min(w, width) for w in widths])
+
+    def time_step(self, width: int, bs: int, request_widths: Optional[tuple] = None) -> None:
         """A step's cost is the GPU time from the previous decode step's end to its own: what it
         adds to the stream, host gaps included (with no draft pass to hide behind, a width-1
         step's launch can leave the GPU waiting). After a prefill or an idle turn there is no
         previous end, and the step is not timed."""
         ended = torch.cuda.Event(enable_timing=True)
         ended.record()
-        self.steps_in_flight.append((width, bs, self.last_step_end, ended))
+        self.steps_in_flight.append((width, bs, self.last_step_end, ended, request_widths))
         self.last_step_end = ended
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
@@ -493,12 +516,21 @@ class DFlashWorker(BaseSpecWorker):
         a sync of its own."""
         if self.width_policy is None or not self.steps_in_flight:
             return
-        width, bs, started, ended = self.steps_in_flight.popleft()
+        width, bs, started, ended, request_widths = self.steps_in_flight.popleft()
         seconds = started.elapsed_time(ended) / 1000 if started is not None and ended.query() else None
-        self.width_policy.record(width, bs, num_correct_drafts_per_req, seconds)
-        if self.width_policy.steps % WIDTHS_LOG_EVERY == 0:
-            logger.info("DFLASH verify widths used in %d decode steps: %s", self.width_policy.steps,
-                        ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()))
+        accepted = num_correct_drafts_per_req
+        if request_widths is not None:
+            rids, widths = request_widths
+            self.fallback.observe(rids, widths, accepted)
+            # the batch's acceptance by position: from the requests verified at the batch's width
+            accepted = [a for a, w in zip(accepted, widths) if w == width]
+        self.width_policy.record(width, bs, accepted, seconds)
+        steps = self.width_policy.steps
+        if steps % WIDTHS_LOG_EVERY == 0 and steps != self.widths_logged_at:
+            self.widths_logged_at = steps
+            fell = "" if self.fallback is None else f"; {self.fallback.fallback_requests} requests fell back"
+            logger.info("DFLASH verify widths used in %d decode steps: %s%s", steps,
+                        ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()), fell)
 
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
@@ -655,9 +687,14 @@ class DFlashWorker(BaseSpecWorker):
         return out.logits_output, out.can_run_cuda_graph, False  # DECODE graphs do not write the context
 
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
-                    penalty_rows: Optional[torch.Tensor] = None) -> Accepted:
-        """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft)."""
+                    penalty_rows: Optional[torch.Tensor] = None, request_widths: Optional[tuple] = None) -> Accepted:
+        """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft).
+        A request verified narrower than the block (in fallback) accepts no candidate past its width."""
         bs, B = block.candidates.shape
+        candidates = block.candidates
+        if request_widths is not None and min(request_widths[1], default=B) < B:
+            widths = to_device_async(torch.tensor(request_widths[1], dtype=torch.int64), candidates.device)
+            candidates = mask_unverified(candidates, widths)
         info = batch.sampling_info
         if info is not None:
             self.apply_request_params(logits.view(bs, B, -1), block.candidates, info, penalty_rows)
@@ -668,7 +705,7 @@ class DFlashWorker(BaseSpecWorker):
         target_tokens = target_tokens.view(bs, B).to(torch.int64)
         acc = Accepted(**{k: bufs[k] for k in ("accept_len", "commit_len", "bonus", "out_tokens", "new_seq_lens")})
         accept_block(
-            block.candidates, target_tokens, batch.seq_lens,
+            candidates, target_tokens, batch.seq_lens,
             acc.accept_len, acc.commit_len, acc.bonus, acc.out_tokens, acc.new_seq_lens,
         )
         return acc

@@ -353,3 +353,33 @@ def test_a_ragged_block_accepts_what_each_request_would_accept_at_its_own_width(
         RaggedLanes.from_widths([2, 0], "cpu")
     with pytest.raises(ValueError):
         RaggedLanes.from_widths([2, 3], "cpu", padded=4)
+
+
+def test_the_fallback_is_on_by_default_only_where_width_one_can_run(monkeypatch):
+    from sglang_dflash.config import FALLBACK_ENV, DFlashConfigError, draft_fallback
+
+    monkeypatch.delenv(FALLBACK_ENV, raising=False)
+    assert draft_fallback((16, 4, 1)) == "on" and draft_fallback((16, 4)) == "off" and draft_fallback((16,)) == "off"
+    for mode in ("off", "force", "on"):
+        monkeypatch.setenv(FALLBACK_ENV, mode.upper())
+        assert draft_fallback((16, 8, 4, 2, 1)) == mode
+    monkeypatch.setenv(FALLBACK_ENV, "force")
+    with pytest.raises(DFlashConfigError, match="width 1"):
+        draft_fallback((16,))  # a batch all in fallback would have no plain decode step to run
+    monkeypatch.setenv(FALLBACK_ENV, "sometimes")
+    with pytest.raises(DFlashConfigError, match="SGLANG_DFLASH_FALLBACK"):
+        draft_fallback((16, 1))
+
+
+def test_forced_fallback_crosses_every_case_and_counts_each_request_once_per_stay():
+    from sglang_dflash.adaptive import DraftHealth, ForcedFallback, make_fallback
+
+    assert isinstance(make_fallback("on"), DraftHealth) and make_fallback("off") is None
+    forced = make_fallback("force")
+    steps = [forced.widths(["a", "b", "c"], 8) for _ in range(6)]
+    assert steps == [[1, 8, 1], [8, 1, 8], [1, 1, 1], [8, 1, 8], [1, 8, 1], [1, 1, 1]]
+    assert forced.in_fallback() == 3
+    assert forced.fallback_requests == 3  # a, b, c: each counted on its first step in fallback
+    forced.widths(["d"], 8)  # a, b and c left the batch
+    forced.widths(["d", "a"], 8)  # a came back: counted again
+    assert forced.fallback_requests == 5

@@ -330,8 +330,8 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
-    worker.steps_in_flight = deque([(8, 2, None, Event(5.0)), (8, 2, Event(5.0), Event(17.0)),
-                                    (1, 2, Event(17.0), Event(20.0, done=False))])
+    worker.steps_in_flight = deque([(8, 2, None, Event(5.0), None), (8, 2, Event(5.0), Event(17.0), None),
+                                    (1, 2, Event(17.0), Event(20.0, done=False), None)])
     DFlashWorker.on_verify_complete_cpu(worker, [1, 1], batch_size=2)  # the first after a prefill: not timed
     DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)  # from the step before's end to its own
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time
@@ -359,7 +359,7 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
     worker.steps_in_flight, worker.last_step_end = deque(), None
     DFlashWorker.time_step(worker, 16, 4)
     DFlashWorker.time_step(worker, 1, 4)
-    (_, _, start0, end0), (_, _, start1, end1) = worker.steps_in_flight
+    (_, _, start0, end0, _), (_, _, start1, end1, _) = worker.steps_in_flight
     assert start0 is None and start1 is end0 and worker.last_step_end is end1
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), is_extend_in_batch=True)
     worker.prefill_step = lambda batch, on_publish: "prefilled"
@@ -379,10 +379,11 @@ def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.width_policy, worker.steps_in_flight = CyclingWidths((16, 4, 1)), deque()
+    worker.fallback, worker.widths_logged_at = None, 0
     done = SimpleNamespace(query=lambda: False)
     with caplog.at_level("INFO", logger="sglang_dflash"):
         for _ in range(8):
-            worker.steps_in_flight.append((worker.width_policy.choose(2), 2, done, done))
+            worker.steps_in_flight.append((worker.width_policy.choose(2), 2, done, done, None))
             DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)
     assert [r.getMessage() for r in caplog.records] == [
         "DFLASH verify widths used in 4 decode steps: 16: 2, 4: 1, 1: 1",
@@ -404,7 +405,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.block_size, worker.widths = 16, (16, 4, 1)
-    worker.width_policy = CyclingWidths(worker.widths)
+    worker.width_policy, worker.fallback = CyclingWidths(worker.widths), None
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     worker.pauses = process_pauses()
     for _ in range(4):
@@ -628,7 +629,8 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
     worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
-    worker.time_step = lambda width, bs: None
+    worker.time_step = lambda width, bs, request_widths=None: None
+    worker.fallback = None
     worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
     batch.seq_lens = batch.seq_lens.as_subclass(Lens)
     batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
@@ -719,3 +721,110 @@ def test_width_one_decodes_where_the_targets_decode_planning_takes_the_device_le
     worker.model_runner = SimpleNamespace(attn_backend=type(backend, (), {})(), decode_cuda_graph_runner="g16")
     DFlashWorker._build_width_pairs(worker, capture=True)
     assert worker.width_one_decodes is decodes and built == [decodes]
+
+
+def fallback_worker(fallback, choose):
+    from collections import deque
+
+    from sglang_dflash.adaptive import WidthPolicy
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
+    worker.block_size, worker.fallback, worker.widths_logged_at = 16, fallback, 0
+    worker.width_policy = WidthPolicy(16, (16, 4, 1))
+    worker.width_policy.choose = choose
+    worker.steps_in_flight = deque()
+    return worker
+
+
+def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_caps_each_request_at_the_batch_width():
+    from sglang_dflash.adaptive import ForcedFallback
+    from sglang_dflash.worker import DFlashWorker
+
+    chosen = []
+    worker = fallback_worker(ForcedFallback(), lambda bs: chosen.append(bs) or 4)
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
+    assert DFlashWorker.choose_widths(worker, batch, 2) == (4, (["a", "b"], [1, 4]))
+    assert DFlashWorker.choose_widths(worker, batch, 2) == (4, (["a", "b"], [4, 1]))
+    assert DFlashWorker.choose_widths(worker, batch, 2) == (1, (["a", "b"], [1, 1]))  # the policy not asked
+    assert chosen == [2, 2]
+    assert worker.width_policy.widths_used() == {1: 1}  # the policy's own choices went through its choose
+    worker.fallback = None
+    assert DFlashWorker.choose_widths(worker, batch, 2) == (4, None)
+
+
+def test_fallback_learns_every_requests_accepts_and_the_policy_only_those_verified_at_the_batch_width():
+    from sglang_dflash.worker import DFlashWorker
+
+    observed, recorded = [], []
+    fallback = SimpleNamespace(observe=lambda *a: observed.append(a))
+    worker = fallback_worker(fallback, None)
+    worker.width_policy.record = lambda *a: recorded.append(a)
+    worker.steps_in_flight.append((8, 3, None, SimpleNamespace(query=lambda: True), (["a", "b", "c"], [8, 1, 8])))
+    worker.steps_in_flight.append((1, 3, None, SimpleNamespace(query=lambda: True), (["a", "b", "c"], [1, 1, 1])))
+    DFlashWorker.on_verify_complete_cpu(worker, [5, 0, 2], batch_size=3)
+    DFlashWorker.on_verify_complete_cpu(worker, [0, 0, 0], batch_size=3)
+    assert observed == [(["a", "b", "c"], [8, 1, 8], [5, 0, 2]), (["a", "b", "c"], [1, 1, 1], [0, 0, 0])]
+    assert recorded == [(8, 3, [5, 2], None), (1, 3, [0, 0, 0], None)]  # width 1 judges no draft
+
+
+def test_a_request_in_fallback_commits_only_the_targets_next_token_inside_a_wider_batch(monkeypatch):
+    """Both requests' drafts all match the target; the one in fallback (width 1) accepts none of
+    them, commits the target's token after its last committed one, and takes that as its bonus."""
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import Accepted, DFlashWorker, DraftBlock
+
+    monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
+    B, vocab = 4, 11
+    candidates = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    choices = torch.tensor([[4, 5, 6, 2], [8, 9, 10, 1]])  # the target agrees with every draft
+    logits = torch.nn.functional.one_hot(choices, vocab).float().view(2 * B, vocab)
+    bufs = {k: torch.zeros(2, dtype=torch.int64) for k in Accepted.__dataclass_fields__}
+    bufs["out_tokens"] = torch.zeros(2, B, dtype=torch.int64)
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
+    batch = SimpleNamespace(sampling_info=None, seq_lens=torch.tensor([10, 20]))
+    block = DraftBlock(candidates, torch.arange(2 * B), torch.arange(2 * B), torch.tensor([14, 24]))
+    acc = DFlashWorker.accept_step(worker, batch, block, logits, bufs, None, (["a", "b"], [4, 1]))
+    assert acc.commit_len.tolist() == [4, 1] and acc.bonus.tolist() == [2, 8]
+    assert acc.new_seq_lens.tolist() == [14, 21] and acc.out_tokens[1, 0].item() == 8
+    assert candidates.tolist() == [[3, 4, 5, 6], [7, 8, 9, 10]]  # the block itself is not changed
+    plain = DFlashWorker.accept_step(worker, batch, block, logits, bufs, None, None)
+    assert plain.commit_len.tolist() == [4, 4]
+
+
+def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
+    from collections import Counter
+
+    from sglang_dflash.adaptive import ForcedFallback
+    from sglang_dflash.host_pauses import process_pauses
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = fallback_worker(ForcedFallback(), lambda bs: 16)
+    worker.widths, worker.pauses = (16, 4, 1), process_pauses()
+    worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter(), 3, 0
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid=r) for r in "abc"])
+    for _ in range(3):
+        DFlashWorker.choose_widths(worker, batch, 3)
+    info = DFlashWorker.server_info(worker)
+    assert info["fallback"] == {"policy": "ForcedFallback", "requests": 3, "in_fallback": 3}
+    assert info["widths_used"] == {"1": 1}
+
+
+def test_a_whole_step_with_every_request_in_fallback_is_the_width_one_step_whatever_the_policy_prefers(monkeypatch):
+    from sglang_dflash.adaptive import ForcedFallback
+    from sglang_dflash.worker import DFlashWorker
+
+    def never(bs):
+        raise AssertionError("the policy is not asked when every request is in fallback")
+
+    worker, batch, _, _, written = whole_step_worker(monkeypatch, "graph", decodes=True)
+    worker.fallback, counted = ForcedFallback(), []
+    worker.fallback.steps = 2  # the next step is one of the pattern's all-fallback steps
+    worker.width_policy = SimpleNamespace(choose=never, count=lambda *a: counted.append(a))
+    batch.reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
+    result = DFlashWorker.forward_batch_generation(worker, batch)
+    assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]
+    assert result.accept_lens.tolist() == [1, 1] and counted == [(2, 1, "fallback")]
+    assert worker.fallback.fallback_requests == 2 and len(written) == 1
