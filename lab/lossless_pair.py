@@ -6,7 +6,7 @@ new prompt shape costs the float32 Triton attention a ~20 s compile on SGLang 0.
 is rewritten after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
-                                [--widths auto [--width-policy cycle]] [--context-ab 64]
+                                [--widths auto [--width-policy cycle] [--fallback force]] [--context-ab 64]
 
 Greedy prompts must match AR exactly (float32, IEEE dots); a stop/budget workload puts stop tokens
 and budgets inside verify blocks and must match AR's tokens and finish reasons; both KV pools must
@@ -63,6 +63,9 @@ def main():
     parser.add_argument("--widths", default="", help="the plugin's SGLANG_DFLASH_WIDTHS (adaptive width), e.g. auto")
     parser.add_argument("--width-policy", default="cycle",
                         help="with --widths: SGLANG_DFLASH_WIDTH_POLICY (default cycle: a new width every step)")
+    parser.add_argument("--fallback", default="",
+                        help="with --widths: SGLANG_DFLASH_FALLBACK (force: requests in and out of the per-request "
+                             "fallback on a fixed pattern, whole batches in it every third step)")
     parser.add_argument("--context-ab", type=int, default=0, metavar="N",
                         help="compare the verify steps of N prompts, one at a time, with the draft context "
                              "written in the verify graphs and after the accept (default 0: not run)")
@@ -71,6 +74,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     target, draft, vocab = ensure_tiny_pair(args.tiny_dir)
     widths = {"SGLANG_DFLASH_WIDTHS": args.widths, "SGLANG_DFLASH_WIDTH_POLICY": args.width_policy} if args.widths else {}
+    if args.fallback:
+        if not args.widths:
+            parser.error("--fallback needs --widths (width 1 among them)")
+        widths["SGLANG_DFLASH_FALLBACK"] = args.fallback
     record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block, "stage": "start"}
     path = os.path.join(args.out, "lossless.json")
