@@ -283,12 +283,12 @@ class DFlashWorker(BaseSpecWorker):
         if len(self.widths) > 1:
             self._check_adaptive_width_serves(server_args)
             self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
-        # Per request: drafts that keep failing are not verified (adaptive.DraftHealth); needs width 1.
+        # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))
         self.widths_logged_at = 0
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
-        # (width, bs, start, end, rids, per-request widths) of the steps whose accept lengths are due
+        # (width, bs, start, end, (rids, per-request widths) or None) of the steps whose accept lengths are due
         self.steps_in_flight: deque = deque()
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
         # Decode steps, and the drafts and verifies among them that ran outside CUDA graphs (each one
