@@ -231,6 +231,44 @@ class SGLangRelease:
             pairs[width] = (backend, runner)
         return pairs
 
+    def enable_ragged_verify(self, attn_backend) -> None:
+        """Compact ragged verify for DFLASH: the target's TARGET_VERIFY graph runner, built after
+        this, captures token-count tiers and replays any mix of per-request widths. SGLang asks one
+        module function whether to (``ragged_verify_compact_graphs_enabled``; DSpark alone says yes),
+        so that function is wrapped, rather than setting ``SGLANG_RAGGED_VERIFY_MODE``, which would
+        change every runner. FlashInfer would fail at capture: fa3 only."""
+        from .config import RAGGED_ENV, DFlashConfigError
+
+        if not getattr(attn_backend, "supports_ragged_verify_graph", False):
+            raise DFlashConfigError(RAGGED_ENV, f"needs the fa3 attention backend (this target runs "
+                                                f"{type(attn_backend).__name__})")
+        try:
+            import sglang.srt.model_executor.runner.decode_cuda_graph_runner as runner_module
+            from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout  # noqa: F401
+
+            asks = runner_module.ragged_verify_compact_graphs_enabled
+        except (ImportError, AttributeError):
+            raise DFlashConfigError(RAGGED_ENV, f"SGLang {self.version} has no compact ragged verify") from None
+        if getattr(asks, "dflash", False):
+            return
+
+        def compact_for_dflash(spec_algorithm) -> bool:
+            return spec_algorithm.is_dflash() or asks(spec_algorithm)
+
+        compact_for_dflash.dflash = True
+        runner_module.ragged_verify_compact_graphs_enabled = compact_for_dflash
+
+    def ragged_layout(self, widths, device, tiers):
+        """SGLang's layout of one ragged verify: the per-request widths and the captured token
+        tier that holds them (past the largest tier, their own sum: the verify runs eager)."""
+        from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+        total = sum(widths)
+        tiers = list(tiers or ())
+        if not tiers or total > tiers[-1]:
+            tiers = [total]
+        return RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=list(widths), device=device, grid=tiers)
+
     def bind_draft_plan(self, draft_model_runner, forward_batch) -> None:
         """The draft's hand-built ForwardBatch is its own iteration: give it its own KV plan."""
         if self.has("kv_loc_plan"):
@@ -335,6 +373,10 @@ class SGLangRelease:
             Symbol("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool.__init__",
                    ("size", "max_context_len", "device", "enable_memory_saver")),
             Symbol("sglang.srt.model_executor.cuda_graph_config", "Backend"),
+            # ragged verify (SGLANG_DFLASH_RAGGED): the runner's compact-mode question, the layout
+            Symbol(graph_runner, "ragged_verify_compact_graphs_enabled", ("spec_algorithm",)),
+            Symbol(spec + "ragged_verify", "RaggedVerifyLayout.from_verify_lens", ("verify_lens_cpu", "device", "grid")),
+            Symbol(spec + "dflash_info", "DFlashVerifyInput.ragged_verify_layout"),
             # adaptive width (SGLANG_DFLASH_WIDTHS): a backend and a graph runner per width
             Symbol(graph_runner, "DecodeCudaGraphRunner.__init__",
                    ("model_runner", "attn_backend", "speculative_num_draft_tokens")),

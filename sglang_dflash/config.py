@@ -30,6 +30,7 @@ WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
 WIDTH_POLICIES = ("throughput", "cycle")
 FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
 FALLBACK_MODES = ("on", "off", "force")
+RAGGED_ENV = "SGLANG_DFLASH_RAGGED"
 IMPLEMENTATIONS = ("plugin", "builtin")
 
 
@@ -91,6 +92,12 @@ def draft_fallback(widths: tuple[int, ...]) -> str:
         raise DFlashConfigError(FALLBACK_ENV, f"{mode!r} needs width 1 among the verify widths "
                                               f"({WIDTHS_ENV}=auto or a list holding 1)")
     return mode or ("on" if 1 in widths else "off")
+
+
+def ragged_verify() -> bool:
+    """Each request verifies its own width in one target forward, from SGLang's compact ragged
+    verify graphs (fa3; experimental, off unless :data:`RAGGED_ENV` is 1)."""
+    return os.environ.get(RAGGED_ENV, "0").strip() == "1"
 
 
 DEFAULT_BLOCK_SIZE = 16

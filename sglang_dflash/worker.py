@@ -64,12 +64,12 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import make_fallback, make_width_policy
-from .config import (DFlashConfigError, TargetInfo, context_in_verify_graph, draft_fallback, verify_widths,
-                     width_policy_kind)
+from .config import (RAGGED_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph, draft_fallback,
+                     ragged_verify, verify_widths, width_policy_kind)
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
 from .ops.fp8 import FP8, Fp8RowwiseLinear
-from .ops.ragged import mask_unverified
+from .ops.ragged import RaggedLanes, mask_unverified
 from .sampling import OutputCounts, to_device_async
 
 logger = logging.getLogger("sglang_dflash")
@@ -84,6 +84,7 @@ class DraftBlock:
     positions: torch.Tensor  # [bs*w]
     cache_loc: torch.Tensor  # [bs, w] KV slots of the verified positions
     seq_lens_bound: torch.Tensor  # host, [bs]: committed + B, what attention planning may assume
+    lanes: Optional[RaggedLanes] = None  # a ragged verify's packed lanes (SGLANG_DFLASH_RAGGED)
 
 
 @dataclass
@@ -286,6 +287,10 @@ class DFlashWorker(BaseSpecWorker):
         # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))
         self.widths_logged_at = 0
+        # Each request's own width in one verify (SGLang's compact ragged graphs; set up with the backends).
+        self.ragged = ragged_verify()
+        if self.ragged and self.fallback is None:
+            raise DFlashConfigError(RAGGED_ENV, "needs the per-request fallback (SGLANG_DFLASH_WIDTHS holding 1)")
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
         # (width, bs, start, end, (rids, per-request widths) or None) of the steps whose accept lengths are due
@@ -365,6 +370,8 @@ class DFlashWorker(BaseSpecWorker):
                 "--model-path", f"hybrid target whose attention backend "
                 f"({type(self.model_runner.attn_backend).__name__}) cannot commit a verified recurrent state"
             )
+        if self.ragged:  # before the target captures its verify graphs
+            self.release.enable_ragged_verify(self.model_runner.attn_backend)
         self._draft_worker.init_attention_backends()
 
     def init_cuda_graphs(self):
@@ -379,7 +386,7 @@ class DFlashWorker(BaseSpecWorker):
         if self.head_in_graph:
             self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
-        if self.width_policy is not None:
+        if self.width_policy is not None and not self.ragged:  # ragged: the target's one runner serves every width
             self._build_width_pairs(capture)
 
     def _build_width_pairs(self, capture: bool) -> None:
@@ -450,7 +457,9 @@ class DFlashWorker(BaseSpecWorker):
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
-        logits_output, can_run_graph, context_written = self.verify_step(batch, block)
+        penalty_rows = self.output_counts.batch_rows(batch.reqs)
+        lane_widths = self.ragged_lane_widths(batch, width, request_widths, penalty_rows) if self.ragged else None
+        logits_output, can_run_graph, context_written = self.verify_step(batch, block, lane_widths)
         self.decode_steps += 1
         if not can_run_graph:
             self.eager_verifies[width] += 1
@@ -461,7 +470,6 @@ class DFlashWorker(BaseSpecWorker):
             )
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
-        penalty_rows = self.output_counts.batch_rows(batch.reqs)
         accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows, request_widths)
         if penalty_rows is not None:
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
@@ -617,11 +625,13 @@ class DFlashWorker(BaseSpecWorker):
             return reserved.to(torch.int32)
         return (batch.seq_lens.cpu() + self.block_size).to(torch.int32)
 
-    def verify_step(self, batch, block: DraftBlock):
+    def verify_step(self, batch, block: DraftBlock, lane_widths: Optional[list] = None):
         """The target over the block's candidates (causal, one pass); returns logits and hidden
         states, whether it ran from CUDA graphs, and whether those graphs already wrote the draft
         context (:class:`ContextInVerifyGraph`). A narrower block runs on that width's own
-        attention backend and graphs."""
+        attention backend and graphs; a ragged verify (``lane_widths``) on the target's own."""
+        if lane_widths is not None:
+            return self._verify_ragged(batch, block, lane_widths)
         width = block.candidates.shape[1]
         if width == self.block_size:
             return self._verify(batch, block)
@@ -642,10 +652,12 @@ class DFlashWorker(BaseSpecWorker):
         finally:
             mr.attn_backend, mr.decode_cuda_graph_runner = saved
 
-    def _verify(self, batch, block: DraftBlock):
+    def _verify(self, batch, block: DraftBlock, layout=None):
+        ragged = {} if layout is None else {"ragged_verify_layout": layout}
         verify_input = DFlashVerifyInput(
             draft_token=block.candidates.view(-1), positions=block.positions,
-            draft_token_num=block.candidates.shape[1], capture_hidden_mode=CaptureHiddenMode.FULL,
+            draft_token_num=self.block_size if layout is not None else block.candidates.shape[1],
+            capture_hidden_mode=CaptureHiddenMode.FULL, **ragged,
         )
         batch.out_cache_loc = block.cache_loc.view(-1)
         if self.hybrid:  # the track slots, as the scheduler holds them now (filter/merge drop them)
@@ -660,6 +672,43 @@ class DFlashWorker(BaseSpecWorker):
         written = self.context_in_graph is not None and self.context_in_graph.wrote(
             self.model_runner.decode_cuda_graph_runner, out.can_run_cuda_graph)
         return out.logits_output, out.can_run_cuda_graph, written
+
+    def ragged_lane_widths(self, batch, width: int, request_widths: Optional[tuple],
+                           penalty_rows: Optional[torch.Tensor]) -> list:
+        """Each request's verified candidates in a ragged verify: its own width where the batch
+        asks for nothing per position (greedy, no penalties, bias, processors, grammar or
+        logprobs), else the batch's (compact graphs need a layout on every verify, uniform too)."""
+        info = batch.sampling_info
+        plain = (request_widths is not None and penalty_rows is None and not batch.has_grammar
+                 and not batch.return_logprob
+                 and (info is None or (info.is_all_greedy and info.logit_bias is None
+                                       and not info.has_custom_logit_processor)))
+        return list(request_widths[1]) if plain else [width] * len(batch.seq_lens)
+
+    def _verify_ragged(self, batch, block: DraftBlock, lane_widths: list):
+        """One verify whose lanes are each request's first w_i candidates, packed and padded to a
+        captured token tier (pad lanes: id, position and slot 0). Logits and hidden states come
+        back one row per lane: for a uniform block the first ``bs * w`` rows are the dense block."""
+        bs, width = block.candidates.shape
+        graphs = self.model_runner.decode_cuda_graph_runner
+        layout = self.release.ragged_layout(lane_widths, self.device, getattr(graphs, "capture_num_tokens", None))
+        lanes = RaggedLanes.from_widths(lane_widths, self.device, padded=layout.graph_num_tokens)
+        packed_block = DraftBlock(
+            lanes.pack(block.candidates), lanes.pack(block.positions.view(bs, width)),
+            lanes.pack(block.cache_loc.view(bs, width)), block.seq_lens_bound,
+        )
+        logits_output, can_run_graph, written = self._verify(batch, packed_block, layout)
+        uniform = lanes.total == bs * width
+        if uniform:
+            logits_output.next_token_logits = logits_output.next_token_logits[: lanes.total]
+            if logits_output.hidden_states is not None:
+                logits_output.hidden_states = logits_output.hidden_states[: lanes.total]
+        else:
+            block.lanes = lanes
+            if not written and logits_output.hidden_states is not None:  # dense rows for commit_context
+                hidden = lanes.unpack(logits_output.hidden_states[: lanes.total], width)
+                logits_output.hidden_states = hidden.view(bs * width, -1)
+        return logits_output, can_run_graph, written
 
     def decode_step(self, batch, block: DraftBlock):
         """Width 1 as a plain decode step: the bonus token through the target's decode kernels and
@@ -692,17 +741,21 @@ class DFlashWorker(BaseSpecWorker):
         A request verified narrower than the block (in fallback) accepts no candidate past its width."""
         bs, B = block.candidates.shape
         candidates = block.candidates
-        if request_widths is not None and min(request_widths[1], default=B) < B:
-            widths = to_device_async(torch.tensor(request_widths[1], dtype=torch.int64), candidates.device)
-            candidates = mask_unverified(candidates, widths)
         info = batch.sampling_info
-        if info is not None:
-            self.apply_request_params(logits.view(bs, B, -1), block.candidates, info, penalty_rows)
-        if info is None or info.is_all_greedy:
-            target_tokens = logits.argmax(dim=-1)
+        if block.lanes is not None:  # a ragged verify: one row per lane, greedy and plain (ragged_lane_widths)
+            target_tokens = block.lanes.unpack(logits.argmax(dim=-1), B).to(torch.int64)
+            candidates = block.lanes.mask_unverified(candidates)
         else:
-            target_tokens = sample_per_position(logits, info, block.positions, B)
-        target_tokens = target_tokens.view(bs, B).to(torch.int64)
+            if request_widths is not None and min(request_widths[1], default=B) < B:
+                widths = to_device_async(torch.tensor(request_widths[1], dtype=torch.int64), candidates.device)
+                candidates = mask_unverified(candidates, widths)
+            if info is not None:
+                self.apply_request_params(logits.view(bs, B, -1), block.candidates, info, penalty_rows)
+            if info is None or info.is_all_greedy:
+                target_tokens = logits.argmax(dim=-1)
+            else:
+                target_tokens = sample_per_position(logits, info, block.positions, B)
+            target_tokens = target_tokens.view(bs, B).to(torch.int64)
         acc = Accepted(**{k: bufs[k] for k in ("accept_len", "commit_len", "bonus", "out_tokens", "new_seq_lens")})
         accept_block(
             candidates, target_tokens, batch.seq_lens,

@@ -383,3 +383,12 @@ def test_forced_fallback_crosses_every_case_and_counts_each_request_once_per_sta
     forced.widths(["d"], 8)  # a, b and c left the batch
     forced.widths(["d", "a"], 8)  # a came back: counted again
     assert forced.fallback_requests == 5
+
+
+def test_ragged_verify_is_asked_for_with_one(monkeypatch):
+    from sglang_dflash.config import RAGGED_ENV, ragged_verify
+
+    monkeypatch.delenv(RAGGED_ENV, raising=False)
+    assert not ragged_verify()
+    monkeypatch.setenv(RAGGED_ENV, "1")
+    assert ragged_verify()

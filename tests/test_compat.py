@@ -197,3 +197,44 @@ def test_each_width_gets_a_backend_and_graphs_of_its_own_built_at_that_width(mon
     else:
         assert all(runner is None for _, runner in pairs.values())
     assert spec.speculative_num_draft_tokens == 16 and not model_runner.init_new_workspace  # the block's again
+
+
+def test_compact_ragged_verify_turns_on_for_dflash_alone_and_only_on_fa3(monkeypatch):
+    """SGLang's graph runner asks one module function whether to capture ragged tiers: wrapped, it
+    says yes for DFLASH (and whatever it said before for others); a backend without ragged graphs
+    (flashinfer would fail at capture) is refused in one line."""
+    from types import SimpleNamespace
+
+    import sglang.srt.model_executor.runner.decode_cuda_graph_runner as runner_module
+
+    from sglang_dflash import compat
+    from sglang_dflash.config import DFlashConfigError
+
+    release = compat.running()
+    monkeypatch.setattr(runner_module, "ragged_verify_compact_graphs_enabled",
+                        runner_module.ragged_verify_compact_graphs_enabled)
+    with pytest.raises(DFlashConfigError, match="fa3"):
+        release.enable_ragged_verify(type("FlashInferAttnBackend", (), {})())
+    fa3 = type("FlashAttentionBackend", (), {"supports_ragged_verify_graph": True})()
+    release.enable_ragged_verify(fa3)
+    release.enable_ragged_verify(fa3)  # once wrapped, left as it is
+    asks = runner_module.ragged_verify_compact_graphs_enabled
+    algorithm = lambda name: SimpleNamespace(is_dflash=lambda: name == "DFLASH",  # noqa: E731
+                                             supports_ragged_verify=lambda: name == "DSPARK")
+    assert asks(algorithm("DFLASH")) and not asks(algorithm("EAGLE"))
+
+
+def test_a_ragged_layout_takes_the_smallest_tier_that_holds_the_lanes_and_past_the_last_runs_eager(monkeypatch):
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+    from sglang_dflash import compat
+
+    asked = []
+    monkeypatch.setattr(RaggedVerifyLayout, "from_verify_lens", classmethod(lambda cls, **kw: asked.append(kw)))
+    release = compat.running()
+    release.ragged_layout([4, 1, 3], "cpu", [4, 8, 16])
+    release.ragged_layout([16, 16], "cpu", [4, 8, 16])  # past the largest tier: its own sum, eager
+    release.ragged_layout([2], "cpu", None)  # no graphs
+    assert asked == [{"verify_lens_cpu": [4, 1, 3], "device": "cpu", "grid": [4, 8, 16]},
+                     {"verify_lens_cpu": [16, 16], "device": "cpu", "grid": [32]},
+                     {"verify_lens_cpu": [2], "device": "cpu", "grid": [2]}]

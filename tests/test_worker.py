@@ -630,7 +630,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
     worker.time_step = lambda width, bs, request_widths=None: None
-    worker.fallback = None
+    worker.fallback, worker.ragged = None, False
     worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
     batch.seq_lens = batch.seq_lens.as_subclass(Lens)
     batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
@@ -828,3 +828,81 @@ def test_a_whole_step_with_every_request_in_fallback_is_the_width_one_step_whate
     assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]
     assert result.accept_lens.tolist() == [1, 1] and counted == [(2, 1, "fallback")]
     assert worker.fallback.fallback_requests == 2 and len(written) == 1
+
+
+def test_a_ragged_verify_asks_each_request_for_its_own_width_only_where_nothing_is_asked_per_position():
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
+    greedy = SimpleNamespace(is_all_greedy=True, logit_bias=None, has_custom_logit_processor=False)
+    batch = SimpleNamespace(sampling_info=greedy, has_grammar=False, return_logprob=False,
+                            seq_lens=torch.tensor([5, 9, 7]))
+    mixed = (["a", "b", "c"], [8, 1, 8])
+    assert DFlashWorker.ragged_lane_widths(worker, batch, 8, mixed, None) == [8, 1, 8]
+    assert DFlashWorker.ragged_lane_widths(worker, batch, 8, None, None) == [8, 8, 8]  # compact: a layout always
+    assert DFlashWorker.ragged_lane_widths(worker, batch, 8, mixed, torch.tensor([0, 1, 2])) == [8, 8, 8]
+    for asks in ({"has_grammar": True}, {"return_logprob": True},
+                 {"sampling_info": SimpleNamespace(**{**vars(greedy), "is_all_greedy": False})},
+                 {"sampling_info": SimpleNamespace(**{**vars(greedy), "logit_bias": torch.zeros(3, 4)})},
+                 {"sampling_info": SimpleNamespace(**{**vars(greedy), "has_custom_logit_processor": True})}):
+        asking = SimpleNamespace(**{**vars(batch), **asks})
+        assert DFlashWorker.ragged_lane_widths(worker, asking, 8, mixed, None) == [8, 8, 8]
+
+
+@torch.no_grad()
+def test_a_ragged_verify_packs_each_requests_lanes_and_accepts_what_each_would_accept_at_its_own_width(monkeypatch):
+    """The target sees only each request's first w_i candidates, packed and padded to the tier; the
+    accept from its packed rows equals each request's accept alone at its width."""
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.reference import accept_block as reference_accept
+    from sglang_dflash.worker import Accepted, DFlashWorker, DraftBlock
+
+    monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
+    bs, B, vocab, tier = 3, 4, 9, 16
+    candidates = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [2, 3, 4, 5]])
+    choices = torch.tensor([[2, 3, 4, 0], [6, 7, 8, 1], [3, 4, 1, 2]])  # the target's choice after each candidate
+    seen = {}
+
+    def fake_verify(batch, block, layout):
+        seen.update(ids=block.candidates.tolist(), positions=block.positions.tolist(),
+                    slots=block.cache_loc.tolist(), layout=layout)
+        rows = torch.zeros(tier, vocab)
+        for lane, (r, c) in enumerate(zip(lanes_req, lanes_col)):
+            rows[lane, choices[r, c]] = 1.0
+        rows[sum(widths):, 0] = 5.0  # pad lanes: whatever the target says there is never read
+        return SimpleNamespace(next_token_logits=rows, hidden_states=torch.arange(tier * 2.0).view(tier, 2)), True, False
+
+    widths = [4, 1, 3]
+    lanes_req = [0, 0, 0, 0, 1, 2, 2, 2]
+    lanes_col = [0, 1, 2, 3, 0, 0, 1, 2]
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
+    worker.device, worker.block_size = "cpu", B
+    worker.model_runner = SimpleNamespace(decode_cuda_graph_runner=SimpleNamespace(capture_num_tokens=[4, 16]))
+    worker.release = SimpleNamespace(ragged_layout=lambda w, device, tiers: SimpleNamespace(
+        graph_num_tokens=next(t for t in tiers if t >= sum(w)), widths=list(w)))
+    worker._verify = fake_verify
+    positions = torch.arange(bs * B) + 100
+    block = DraftBlock(candidates, positions, torch.arange(bs * B) + 1000, torch.tensor([9, 9, 9]))
+    logits_output, _, written = DFlashWorker.verify_step(worker, SimpleNamespace(), block, widths)
+    assert seen["layout"].graph_num_tokens == 16 and seen["layout"].widths == widths  # 8 lanes, 8 pads
+    assert seen["ids"] == [1, 2, 3, 4, 5, 2, 3, 4] + [0] * 8  # pad lanes: id, position and slot 0
+    assert seen["positions"] == [100, 101, 102, 103, 104, 108, 109, 110] + [0] * 8
+    assert seen["slots"] == [1000, 1001, 1002, 1003, 1004, 1008, 1009, 1010] + [0] * 8
+    assert logits_output.hidden_states.shape == (bs * B, 2)  # dense again, for a context written after
+    assert logits_output.hidden_states[4].tolist() == [8.0, 9.0] and logits_output.hidden_states[5].eq(0).all()
+    bufs = {k: torch.zeros(bs, dtype=torch.int64) for k in Accepted.__dataclass_fields__}
+    bufs["out_tokens"] = torch.zeros(bs, B, dtype=torch.int64)
+    batch = SimpleNamespace(sampling_info=None, seq_lens=torch.tensor([10, 20, 30]))
+    got = DFlashWorker.accept_step(worker, batch, block, logits_output.next_token_logits, bufs)
+    for i, w in enumerate(widths):
+        alone = reference_accept(candidates[i:i + 1, :w], choices[i:i + 1, :w])
+        assert got.commit_len[i] == alone.commit_len[0] and got.bonus[i] == alone.bonus[0]
+    assert got.commit_len.tolist() == [4, 1, 3] and got.bonus.tolist() == [0, 6, 1]
+
+    block = DraftBlock(candidates, positions, torch.arange(bs * B) + 1000, torch.tensor([9, 9, 9]))
+    lanes_req, lanes_col = [r for r in range(bs) for _ in range(B)], [c for _ in range(bs) for c in range(B)]
+    widths = [B] * bs  # a uniform block: the first bs * B rows are the dense block
+    logits_output, _, _ = DFlashWorker.verify_step(worker, SimpleNamespace(), block, widths)
+    assert block.lanes is None and logits_output.next_token_logits.shape == (bs * B, vocab)
