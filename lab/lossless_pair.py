@@ -1,4 +1,4 @@
-"""GPU: plain decoding and the plugin's DFLASH on the tiny float32 pair, token for token.
+"""GPU: plain decoding and the plugin's DFLASH on a float32 pair, token for token.
 
 A lean cousin of tests/gpu/test_server_gpu.py for proving a new SGLang release on a tight GPU
 budget: the servers start together, each with a fixed KV pool; every prompt has one length (each
@@ -6,7 +6,12 @@ new prompt shape costs the float32 Triton attention a ~20 s compile on SGLang 0.
 is rewritten after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
-                                [--widths auto [--width-policy cycle] [--fallback force]] [--context-ab 64]
+                                [--widths auto [--width-policy cycle] [--fallback force] [--plain-too]]
+                                [--smollm2 TARGET_DIR --draft DIR --data-dir DIR] [--context-ab 64]
+
+Two pairs: the tiny one (random weights, about 1.3 tokens a step) and, with ``--smollm2``,
+SmolLM2-135M-Instruct with the shipped draft (about 3.5 a step on gsm8k), whose blocks are mostly
+accepted: gsm8k questions, chat-templated, each cut to its last 64 tokens so every prompt has one length.
 
 Greedy prompts must match AR exactly (float32, IEEE dots); a stop/budget workload puts stop tokens
 and budgets inside verify blocks and must match AR's tokens and finish reasons; both KV pools must
@@ -49,6 +54,37 @@ def workload(n, new_tokens, vocab, length=32):
     return greedy, stops
 
 
+def smollm2_workload(n, new_tokens, tokenizer, questions, keep=64):
+    """The first ``n`` questions of at least ``keep`` tokens, cut to their last ``keep`` (the ask
+    stays), inside the chat template: one prompt length. Stops on a newline, budgets inside blocks."""
+    pre, post = (tokenizer(part, add_special_tokens=False).input_ids for part in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\0"}], tokenize=False, add_generation_prompt=True).split("\0"))
+    cut = [ids[-keep:] for ids in (tokenizer(q, add_special_tokens=False).input_ids for q in questions)
+           if len(ids) >= keep]
+    if len(cut) < n:
+        raise SystemExit(f"lossless_pair: {len(cut)} questions hold {keep} tokens, {n} asked for")
+    ids = [pre + q + post for q in cut[:n]]
+    newline = tokenizer("\n", add_special_tokens=False).input_ids[-1]
+    greedy = [{"input_ids": p, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0}} for p in ids]
+    stops = [{"input_ids": p, "sampling_params": {"max_new_tokens": 5 + i, "temperature": 0,
+                                                   **({"stop_token_ids": [newline]} if i % 2 else {})}}
+             for i, p in enumerate(ids[:48])]
+    return greedy, stops
+
+
+def compare(ar, plugin):
+    """Mismatches of one plugin server's (greedy, stops, kv) against AR's."""
+    (ar_greedy, ar_stops, _), (greedy, stops, kv) = ar, plugin
+    div = [(i, first_divergence(a.output_ids, b.output_ids)) for i, (a, b) in enumerate(zip(ar_greedy, greedy))]
+    div = [(i, d) for i, d in div if d is not None]
+    stop_div = [i for i, (a, b) in enumerate(zip(ar_stops, stops))
+                if a.output_ids != b.output_ids or a.meta.get("finish_reason") != b.meta.get("finish_reason")]
+    tokens, verify = sum(r.completion_tokens for r in greedy), sum(r.spec_verify_ct for r in greedy)
+    return dict(greedy_mismatches=len(div), first_divergences=div[:10], stop_mismatches=len(stop_div),
+                errors=sum(bool(r.error) for r in greedy + stops), accept_length=tokens / max(verify, 1),
+                tokens=tokens, kv_after=kv)
+
+
 def first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -60,25 +96,44 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per greedy prompt (default 128)")
     parser.add_argument("--block", type=int, default=16, help="DFLASH block size (default 16)")
     parser.add_argument("--tiny-dir", default=DEFAULT_DIR, help="the tiny pair (made if absent)")
+    parser.add_argument("--smollm2", default="", metavar="TARGET_DIR",
+                        help="the SmolLM2 pair instead of the tiny one: the target's HF folder (needs --draft)")
+    parser.add_argument("--draft", default="", help="with --smollm2: the draft's folder (results/smollm2-draft)")
+    parser.add_argument("--data-dir", default=".bench-eval", help="with --smollm2: where gsm8k.jsonl lies")
     parser.add_argument("--widths", default="", help="the plugin's SGLANG_DFLASH_WIDTHS (adaptive width), e.g. auto")
     parser.add_argument("--width-policy", default="cycle",
                         help="with --widths: SGLANG_DFLASH_WIDTH_POLICY (default cycle: a new width every step)")
     parser.add_argument("--fallback", default="",
                         help="with --widths: SGLANG_DFLASH_FALLBACK (force: requests in and out of the per-request "
                              "fallback on a fixed pattern, whole batches in it every third step)")
+    parser.add_argument("--plain-too", action="store_true",
+                        help="with --widths: a third server, the plugin at its one width, checked the same way")
     parser.add_argument("--context-ab", type=int, default=0, metavar="N",
                         help="compare the verify steps of N prompts, one at a time, with the draft context "
                              "written in the verify graphs and after the accept (default 0: not run)")
     args = parser.parse_args()
+    if args.fallback and not args.widths:
+        parser.error("--fallback needs --widths (width 1 among them)")
+    if args.plain_too and not args.widths:
+        parser.error("--plain-too needs --widths (without them the plugin is already plain)")
+    if args.smollm2 and not args.draft:
+        parser.error("--smollm2 needs --draft")
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
-    target, draft, vocab = ensure_tiny_pair(args.tiny_dir)
+    if args.smollm2:
+        from transformers import AutoTokenizer
+        target, draft = args.smollm2, args.draft
+        with open(os.path.join(args.data_dir, "gsm8k.jsonl")) as f:
+            questions = [json.loads(line)["prompt"] for line in f]
+        greedy, stops = smollm2_workload(args.prompts, args.new_tokens, AutoTokenizer.from_pretrained(target), questions)
+    else:
+        target, draft, vocab = ensure_tiny_pair(args.tiny_dir)
+        greedy, stops = workload(args.prompts, args.new_tokens, vocab)
     widths = {"SGLANG_DFLASH_WIDTHS": args.widths, "SGLANG_DFLASH_WIDTH_POLICY": args.width_policy} if args.widths else {}
     if args.fallback:
-        if not args.widths:
-            parser.error("--fallback needs --widths (width 1 among them)")
         widths["SGLANG_DFLASH_FALLBACK"] = args.fallback
-    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32", **widths,
+    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32",
+              "pair": "smollm2" if args.smollm2 else "tiny", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block, "stage": "start"}
     path = os.path.join(args.out, "lossless.json")
 
@@ -87,26 +142,24 @@ def main():
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
 
-    servers = {
-        "ar": Server(ServerSpec("ar", target, extra_args=FLAGS, extra_env=ENV),
-                     log_path=os.path.join(args.out, "server-ar.log"), timeout_s=420),
-        "plugin": Server(ServerSpec("plugin", target, draft, args.block, FLAGS, {**ENV, **widths}),
-                         log_path=os.path.join(args.out, "server-plugin.log"), timeout_s=420),
-    }
+    def server(name, env, draft_path=draft):
+        spec = ServerSpec("ar" if name == "ar" else "plugin", target, draft_path if name != "ar" else None,
+                          args.block if name != "ar" else None, FLAGS, {**ENV, **env})
+        return Server(spec, log_path=os.path.join(args.out, f"server-{name}.log"), timeout_s=420)
+
+    servers = {"ar": server("ar", {}), "plugin": server("plugin", widths)}
+    if args.plain_too:
+        servers["plugin-plain"] = server("plugin-plain", {})
     if args.context_ab:
-        servers["plugin-eager-context"] = Server(
-            ServerSpec("plugin-eager-context", target, draft, args.block, FLAGS,
-                       {**ENV, **widths, "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}),
-            log_path=os.path.join(args.out, "server-plugin-eager-context.log"), timeout_s=420)
-    greedy, stops = workload(args.prompts, args.new_tokens, vocab)
+        servers["plugin-eager-context"] = server("plugin-eager-context", {**widths, "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"})
+    checked = [k for k in servers if k in ("ar", "plugin", "plugin-plain")]
     try:
         start_together(list(servers.values()))  # fixed pools: no start can shrink another's
         save(stage="servers up")
-        pair = {k: servers[k] for k in ("ar", "plugin")}
-        with ThreadPoolExecutor(2) as pool:
-            outs = dict(zip(pair, pool.map(
+        with ThreadPoolExecutor(len(checked)) as pool:
+            outs = dict(zip(checked, pool.map(
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
-                pair.values())))
+                [servers[k] for k in checked])))
         plugin_info = server_info(servers["plugin"].url).get("dflash")
         if args.context_ab:
             save(stage="context a/b")
@@ -121,21 +174,18 @@ def main():
                              "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(*ab.values()))})
     finally:
         stop_all(list(servers.values()))
-    (ar_greedy, ar_stops, ar_kv), (dg, ds, dkv) = outs["ar"], outs["plugin"]
-    greedy_div = [(i, first_divergence(a.output_ids, b.output_ids)) for i, (a, b) in enumerate(zip(ar_greedy, dg))]
-    greedy_div = [(i, d) for i, d in greedy_div if d is not None]
-    stop_div = [i for i, (a, b) in enumerate(zip(ar_stops, ds))
-                if a.output_ids != b.output_ids or a.meta.get("finish_reason") != b.meta.get("finish_reason")]
-    tokens, verify = sum(r.completion_tokens for r in dg), sum(r.spec_verify_ct for r in dg)
-    errors = sum(bool(r.error) for r in ar_greedy + dg + ar_stops + ds)
-    save(stage="done", greedy_mismatches=len(greedy_div), first_divergences=greedy_div[:10],
-         stop_mismatches=len(stop_div), errors=errors, accept_length=tokens / max(verify, 1),
-         tokens=tokens, ar_kv_after=ar_kv, plugin_kv_after=dkv, plugin_dflash=plugin_info)
+    main_result = compare(outs["ar"], outs["plugin"])
+    main_result["plugin_kv_after"] = main_result.pop("kv_after")
+    save(stage="done", **main_result, ar_kv_after=outs["ar"][2], plugin_dflash=plugin_info)
+    if args.plain_too:
+        save(plain=compare(outs["ar"], outs["plugin-plain"]))
     print(json.dumps(record))
-    clean = not greedy_div and not stop_div and not errors
+    results = [main_result] + ([record["plain"]] if args.plain_too else [])
+    clean = not any(r["greedy_mismatches"] or r["stop_mismatches"] or r["errors"] for r in results)
     if args.context_ab:
         clean = clean and record["context_ab"]["requests_with_other_verify_steps"] == 0 and record["context_ab"]["same_tokens"]
-    idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in (ar_kv, dkv))
+    kvs = [outs[k][2] for k in checked]
+    idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in kvs)
     sys.exit(0 if clean and idle else 1)
 
 

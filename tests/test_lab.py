@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIM = os.path.join(ROOT, "lab", "ordered-penalizers")
 
@@ -76,3 +78,53 @@ def test_the_matrix_does_not_count_a_row_the_reference_failed():
     ok = [{"output_ids": [1, 2], "meta_info": {"finish_reason": "length"}}]
     summary = m.compare({"ar-sync": [[{"error": "boom"}], ok], "plugin": [ok, ok]})
     assert summary["reference_errors"] == 1 and summary["plugin"]["mismatches"] == 1
+
+
+def load_lossless_pair():
+    import importlib.util
+    if os.path.join(ROOT, "lab") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "lab"))
+    spec = importlib.util.spec_from_file_location("lossless_pair", os.path.join(ROOT, "lab", "lossless_pair.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CharTokenizer:
+    """One token per character; a chat template of two marker strings around the user's text."""
+
+    class Ids:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    def __call__(self, text, add_special_tokens=True):
+        return self.Ids([ord(c) for c in text])
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "<user>" + messages[0]["content"] + "</user><bot>"
+
+
+def test_the_smollm2_workload_keeps_each_questions_ask_and_gives_every_prompt_one_length():
+    lp = load_lossless_pair()
+    questions = ["short", "x" * 20 + "ASK", "y" * 30 + "ASK", "z" * 7]
+    greedy, stops = lp.smollm2_workload(2, 32, CharTokenizer(), questions, keep=8)
+    texts = ["".join(map(chr, g["input_ids"])) for g in greedy]
+    assert texts == ["<user>xxxxxASK</user><bot>", "<user>yyyyyASK</user><bot>"]
+    assert [s["sampling_params"].get("stop_token_ids") for s in stops] == [None, [ord("\n")]]
+    assert [s["sampling_params"]["max_new_tokens"] for s in stops] == [5, 6]
+    with pytest.raises(SystemExit):
+        lp.smollm2_workload(3, 32, CharTokenizer(), questions, keep=8)
+
+
+def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
+    from types import SimpleNamespace as R
+    lp = load_lossless_pair()
+
+    def ok(ids, finish="length"):
+        return R(output_ids=ids, meta={"finish_reason": finish}, error=None, completion_tokens=len(ids), spec_verify_ct=1)
+
+    ar = ([ok([1, 2, 3]), ok([4, 5])], [ok([7], "stop")], {})
+    plugin = ([ok([1, 2, 9]), ok([4, 5])], [ok([7], "length")], {"num_used_tokens": 0})
+    out = lp.compare(ar, plugin)
+    assert out["greedy_mismatches"] == 1 and out["first_divergences"] == [(0, 2)]
+    assert out["stop_mismatches"] == 1 and out["errors"] == 0 and out["accept_length"] == 2.5
