@@ -205,6 +205,14 @@ class WidthPolicy:
         """A step whose width was set outside the policy (every request in fallback)."""
         self.reasons[bucket(bs), width, why] += 1
 
+    def cheapest(self, bs: int) -> int:
+        """The width whose measured step costs least at this batch size, width 1 until one
+        measures cheaper: for a batch whose every request is in fallback, drafting is only worth
+        skipping where it costs time (on a host-bound pair every width costs the same)."""
+        one = self.costs.estimate(1, bs)
+        measured = [(s, w) for w in self.widths if (s := self.costs.estimate(w, bs)) is not None]
+        return min(measured)[1] if one is not None and measured else 1
+
     def widths_used(self) -> dict[int, int]:
         used: Counter = Counter()
         for (_, width, _), n in self.reasons.items():
@@ -248,6 +256,9 @@ class CyclingWidths:
 
     def count(self, bs: int, width: int, why: str) -> None:
         self.used[width] += 1
+
+    def cheapest(self, bs: int) -> int:
+        return 1
 
     def widths_used(self) -> dict[int, int]:
         return dict(sorted(self.used.items(), reverse=True))

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sglang_dflash.adaptive import AcceptanceByPosition, WidthPolicy, bucket, candidate_widths
+from sglang_dflash.adaptive import AcceptanceByPosition, CyclingWidths, WidthPolicy, bucket, candidate_widths
 from sglang_dflash.reference import (
     RequestParams,
     TinyTarget,
@@ -392,3 +392,18 @@ def test_ragged_verify_is_asked_for_with_one(monkeypatch):
     assert not ragged_verify()
     monkeypatch.setenv(RAGGED_ENV, "1")
     assert ragged_verify()
+
+
+def test_a_batch_all_in_fallback_skips_drafting_only_where_that_saves_time():
+    policy = WidthPolicy(16)
+    assert policy.cheapest(8) == 1  # nothing measured: plain decode
+    for _ in range(3):
+        policy.costs.observe(16, 8, 0.0040)
+    assert policy.cheapest(8) == 1  # width 1 unmeasured: it may be cheaper
+    for seconds in (0.0045, 0.0046, 0.0044):
+        policy.costs.observe(1, 8, seconds)
+    assert policy.cheapest(8) == 16  # a host-bound pair: drafting costs nothing, so let drafts be checked
+    for _ in range(8):
+        policy.costs.observe(1, 8, 0.0030)
+    assert policy.cheapest(8) == 1 and policy.cheapest(64) == 1
+    assert CyclingWidths((16, 1)).cheapest(8) == 1

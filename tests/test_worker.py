@@ -731,25 +731,35 @@ def fallback_worker(fallback, choose):
 
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
-    worker.block_size, worker.fallback, worker.widths_logged_at = 16, fallback, 0
+    worker.block_size, worker.fallback, worker.widths_logged_at, worker.ragged = 16, fallback, 0, False
     worker.width_policy = WidthPolicy(16, (16, 4, 1))
     worker.width_policy.choose = choose
     worker.steps_in_flight = deque()
     return worker
 
 
-def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_caps_each_request_at_the_batch_width():
+def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_verifies_fallback_requests_narrower_only_when_ragged():
     from sglang_dflash.adaptive import ForcedFallback
     from sglang_dflash.worker import DFlashWorker
 
     chosen = []
     worker = fallback_worker(ForcedFallback(), lambda bs: chosen.append(bs) or 4)
     batch = SimpleNamespace(reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
+    worker.ragged = True
     assert DFlashWorker.choose_widths(worker, batch, 2) == (4, (["a", "b"], [1, 4]))
-    assert DFlashWorker.choose_widths(worker, batch, 2) == (4, (["a", "b"], [4, 1]))
+    worker.ragged = False  # padded: each request is checked at the batch's width anyway, and keeps what it accepts
+    assert DFlashWorker.choose_widths(worker, batch, 2) == (4, (["a", "b"], [4, 4]))
     assert DFlashWorker.choose_widths(worker, batch, 2) == (1, (["a", "b"], [1, 1]))  # the policy not asked
     assert chosen == [2, 2]
     assert worker.width_policy.widths_used() == {1: 1}  # the policy's own choices went through its choose
+    worker.width_policy.cheapest = lambda bs: 16  # a host-bound pair: every width costs the same
+    for _ in range(3):
+        last = DFlashWorker.choose_widths(worker, batch, 2)
+    assert last == (16, (["a", "b"], [16, 16])) and chosen == [2, 2, 2, 2]
+    worker.ragged = True  # a ragged verify gives each request its own lane: width 1 is cheaper
+    for _ in range(3):
+        last = DFlashWorker.choose_widths(worker, batch, 2)
+    assert last == (1, (["a", "b"], [1, 1]))
     worker.fallback = None
     assert DFlashWorker.choose_widths(worker, batch, 2) == (4, None)
 
@@ -770,8 +780,9 @@ def test_fallback_learns_every_requests_accepts_and_the_policy_only_those_verifi
 
 
 def test_a_request_in_fallback_commits_only_the_targets_next_token_inside_a_wider_batch(monkeypatch):
-    """Both requests' drafts all match the target; the one in fallback (width 1) accepts none of
-    them, commits the target's token after its last committed one, and takes that as its bonus."""
+    """Both requests' drafts all match the target; the one in fallback (width 1; a ragged verify
+    with per-position parameters checks every lane at the batch's width) accepts none of them,
+    commits the target's token after its last committed one, and takes that as its bonus."""
     import sglang_dflash.worker as worker_mod
     from sglang_dflash.worker import Accepted, DFlashWorker, DraftBlock
 
@@ -822,7 +833,7 @@ def test_a_whole_step_with_every_request_in_fallback_is_the_width_one_step_whate
     worker, batch, _, _, written = whole_step_worker(monkeypatch, "graph", decodes=True)
     worker.fallback, counted = ForcedFallback(), []
     worker.fallback.steps = 2  # the next step is one of the pattern's all-fallback steps
-    worker.width_policy = SimpleNamespace(choose=never, count=lambda *a: counted.append(a))
+    worker.width_policy = SimpleNamespace(choose=never, count=lambda *a: counted.append(a), cheapest=lambda bs: 1)
     batch.reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]
