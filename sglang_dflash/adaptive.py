@@ -4,7 +4,7 @@ A step at width w verifies the bonus and the first w - 1 drafts; width 1 is a pl
 (no draft pass). It commits on average ``1 + sum_{k<w} p_1 ... p_k`` tokens, where p_k is the
 chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`), and it
 costs the step time at that width and batch size (:class:`StepCosts`, measured while serving).
-:class:`WidthPolicy` picks the width with the best ratio, trying every width once per batch-size
+:class:`WidthPolicy` picks the width with the best ratio, timing a width a few times per batch-size
 bucket before trusting its cost, and measuring again now and then the widths that could still
 win (and full width, whose steps alone show the deeper positions' acceptance). Changing width
 never changes a token (the reference loop's ``width`` argument; ``tests/test_adaptive.py``): only
@@ -68,10 +68,11 @@ class AcceptanceByPosition:
 
 
 class StepCosts:
-    """Step seconds by (width, batch-size bucket): the lower median of the last few measured. The
-    first step of a key is not counted: it pays for first use (a graph's first replay, a JIT
-    build). A median drops outliers; the lower one lets a single cheap re-measurement bring a
-    width back into play, where a mean would need many."""
+    """Step seconds by (width, batch-size bucket): the least of the last few measured. The first
+    step of a key is not counted: it pays for first use (a graph's first replay, a JIT build).
+    Noise in a step's time is one-sided (a late host, a scheduler turn, a new request's prefill
+    only add time; seen on SmolLM2, where one width read 4.9 and 18.5 ms at one batch size), so
+    the least is the estimate a median would only reach with most samples clean."""
 
     def __init__(self, window: int = 8):
         self.samples: dict[tuple[int, int], deque] = {}
@@ -85,7 +86,7 @@ class StepCosts:
         if self.seen[key] > 1:
             samples = self.samples.setdefault(key, deque(maxlen=self.window))
             samples.append(seconds)
-            self.seconds[key] = sorted(samples)[(len(samples) - 1) // 2]
+            self.seconds[key] = min(samples)
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
@@ -93,11 +94,13 @@ class StepCosts:
     def estimate(self, width: int, bs: int) -> Optional[float]:
         return self.seconds.get((width, bucket(bs)))
 
-    def lower_bound(self, width: int, bs: int) -> Optional[float]:
-        """What a step at (width, bs) costs at least, from the other keys measured: a narrower
-        width or a smaller batch never costs more. None when no such key was measured."""
+    def lower_bound(self, width: int, bs: int, min_count: int = 1) -> Optional[float]:
+        """What a step at (width, bs) costs at least, from the other keys measured ``min_count``
+        times or more (one unlucky sample would raise the bound): a narrower width or a smaller
+        batch never costs more. None when no such key was measured."""
         b = bucket(bs)
-        below = [s for (w, k), s in self.seconds.items() if w <= width and k <= b and (w, k) != (width, b)]
+        below = [s for (w, k), s in self.seconds.items()
+                 if w <= width and k <= b and (w, k) != (width, b) and len(self.samples[w, k]) >= min_count]
         return max(below) if below else None
 
 
@@ -137,7 +140,7 @@ class WidthPolicy:
     def best_possible(self, width: int, bs: int) -> float:
         """Expected tokens per second at the least a step of ``width`` can cost (unbounded when
         nothing measured bounds it)."""
-        floor = self.costs.lower_bound(width, bs)
+        floor = self.costs.lower_bound(width, bs, self.SURE_AFTER)
         return self.acceptance.expected_tokens(width) / floor if floor else float("inf")
 
     def choose(self, bs: int) -> int:
@@ -156,7 +159,9 @@ class WidthPolicy:
         return width
 
     def _measured(self, bs: int) -> list[int]:
-        return [w for w in self.widths if self.costs.estimate(w, bs) is not None]
+        """Widths measured often enough here to be judged by their cost: a host hiccup only ever
+        adds time, so a width seen once or twice may just have been unlucky."""
+        return [w for w in self.widths if self.costs.count(w, bs) >= self.SURE_AFTER]
 
     def _first_try(self, bs: int) -> Optional[int]:
         """An unmeasured width that could beat every measured one at this bucket: the unbounded

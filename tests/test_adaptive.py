@@ -196,6 +196,38 @@ def test_host_bound_noisy_steps_keep_the_full_block():
         assert tokens_per_second(WidthPolicy(16), seed) >= 0.985 * tokens_per_second(None, seed)
 
 
+def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
+    """Seen on the GPU (SmolLM2, triton, pinned, session 24): a step is about 3.5 ms of host work
+    at every width, and now and then a late host or a scheduler turn adds several ms (one width
+    read 4.9 and 18.5 ms at one batch size). A lower median of such samples, and a bound raised by
+    one unlucky sample, kept the policy on widths 2-8 at whole levels: 0.76-0.93x fixed 16 in
+    this simulation, 0.82-0.88x on the GPU. Both widths see the same drafts and the same
+    hiccups, so the ratio is the policy's alone."""
+    levels = [1, 2, 4, 8, 16, 32, 64]
+
+    def tokens_per_second(policy, seed, p):
+        rng, tokens, seconds = random.Random(seed), 0, 0.0
+        for bs in levels:
+            for _ in range(300):
+                runs = []  # each request's run of drafts the target would accept
+                for _ in range(bs):
+                    k = 0
+                    while k < 15 and rng.random() < p:
+                        k += 1
+                    runs.append(k)
+                cost = (3.5 + (rng.expovariate(1 / 4.0) if rng.random() < 0.3 else 0.0)) / 1000
+                w = policy.choose(bs) if policy else 16
+                lens = [min(k, w - 1) for k in runs]
+                if policy:
+                    policy.record(w, bs, lens, cost)
+                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
+        return tokens / seconds
+
+    for p in (0.55, 0.72):  # about 2.2 (mt-bench) and 3.5 (gsm8k) tokens a step at width 16
+        for seed in range(6):
+            assert tokens_per_second(WidthPolicy(16), seed, p) >= 0.99 * tokens_per_second(None, seed, p), (p, seed)
+
+
 def test_near_equal_widths_do_not_flip_on_noise():
     """No draft accepted, steps noisy by up to 15%, the draft pass a fifth of a step (fa3 at bs 1
     on the 8B rig: 7.1 ms against 8.4-9.1 ms): width 1 holds."""
@@ -242,7 +274,8 @@ def test_each_chosen_step_names_the_rule_that_chose_it():
     choices = policy.choices()
     assert sum(n for rules in choices.values() for n in rules.values()) == 300
     assert {k: sum(r.values()) for k, r in choices.items()} == {f"{w}@8": n for w, n in policy.widths_used().items()}
-    assert choices["16@8"]["first_try"] == choices["1@8"]["first_try"] == 2  # a first step is not timed
+    # a first step is not timed, and a width is judged by its cost once timed SURE_AFTER times
+    assert choices["16@8"]["first_try"] == choices["1@8"]["first_try"] == 1 + WidthPolicy.SURE_AFTER
     assert choices["16@8"]["deep_refresh"] == 300 // 128
     assert choices["1@8"]["best"] > 250 and "refresh" not in choices["1@8"]
     assert set().union(*choices.values()) <= {"first_try", "best", "refresh", "deep_refresh"}
