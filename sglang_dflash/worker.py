@@ -497,18 +497,21 @@ class DFlashWorker(BaseSpecWorker):
     def choose_widths(self, batch, bs: int) -> tuple[int, Optional[list]]:
         """The batch's verify width and, with the per-request fallback, ``(rids, widths)``: the
         width each request is verified at. When every request is in fallback the step is a plain
-        decode (width 1), unless another width measures cheaper there (a host-bound pair). A
-        ragged verify gives a request in fallback a lane of width 1 (on a retry, the batch's); a
-        padded one checks every request at the batch's width whatever it is, so each keeps what
-        it accepts there: masking would only throw tokens away (7% of the accept length on
-        SmolLM2 gsm8k)."""
+        decode (width 1), unless width 1 saves too little there (a host-bound pair). A ragged
+        verify gives a request in fallback a lane of width 1 (on a retry, the batch's); a padded
+        one checks every request at the batch's width whatever it is, so each keeps what it
+        accepts there: masking would only throw tokens away (7% of the accept length on SmolLM2
+        gsm8k)."""
         if self.fallback is None:
             return (self.width_policy.choose(bs) if self.width_policy is not None else self.block_size), None
         rids = [req.rid for req in batch.reqs]
         widths = self.fallback.widths(rids, self.block_size)
         if max(widths, default=1) == 1:
-            width = 1 if self.ragged else self.width_policy.cheapest(bs)
-            self.width_policy.count(bs, width, "fallback")
+            if self.ragged:
+                self.width_policy.count(bs, 1, "fallback")
+                width = 1
+            else:
+                width = self.width_policy.fallback_width(bs)
             return width, (rids, [width] * len(rids))
         width = self.width_policy.choose(bs)
         return width, (rids, [min(w, width) for w in widths] if self.ragged else [width] * len(rids))

@@ -429,14 +429,16 @@ def test_ragged_verify_is_asked_for_with_one(monkeypatch):
 
 def test_a_batch_all_in_fallback_skips_drafting_only_where_that_saves_time():
     policy = WidthPolicy(16)
-    assert policy.cheapest(8) == 1  # nothing measured: plain decode
-    for _ in range(3):
+    policy.choose = lambda bs: 16  # the policy's own choice, where width 1 saves too little
+    assert policy.fallback_width(8) == 1  # nothing measured: plain decode
+    for _ in range(4):
         policy.costs.observe(16, 8, 0.0040)
-    assert policy.cheapest(8) == 1  # width 1 unmeasured: it may be cheaper
-    for seconds in (0.0045, 0.0046, 0.0044):
-        policy.costs.observe(1, 8, seconds)
-    assert policy.cheapest(8) == 16  # a host-bound pair: drafting costs nothing, so let drafts be checked
-    for _ in range(8):
-        policy.costs.observe(1, 8, 0.0030)
-    assert policy.cheapest(8) == 1 and policy.cheapest(64) == 1
-    assert CyclingWidths((16, 1)).cheapest(8) == 1
+    assert policy.fallback_width(8) == 1  # width 1 not measured: it may be cheaper
+    for _ in range(4):
+        policy.costs.observe(1, 8, 0.0038)
+    assert policy.fallback_width(8) == 16  # a host-bound pair: 5% saved, the drafts' tokens lost
+    policy.costs.observe(1, 8, 0.0030)
+    assert policy.fallback_width(8) == 1 and policy.fallback_width(64) == 1  # the 8B rig: 25% saved
+    assert policy.choices() == {"1@8": {"fallback": 3}, "1@64": {"fallback": 1}}
+    cycling = CyclingWidths((16, 1))
+    assert cycling.fallback_width(8) == 1 and cycling.widths_used() == {1: 1}

@@ -752,7 +752,7 @@ def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_verifies_fallba
     assert DFlashWorker.choose_widths(worker, batch, 2) == (1, (["a", "b"], [1, 1]))  # the policy not asked
     assert chosen == [2, 2]
     assert worker.width_policy.widths_used() == {1: 1}  # the policy's own choices went through its choose
-    worker.width_policy.cheapest = lambda bs: 16  # a host-bound pair: every width costs the same
+    worker.width_policy.fallback_width = lambda bs: 16  # a host-bound pair: width 1 saves too little
     for _ in range(3):
         last = DFlashWorker.choose_widths(worker, batch, 2)
     assert last == (16, (["a", "b"], [16, 16])) and chosen == [2, 2, 2, 2]
@@ -823,21 +823,21 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
     assert info["widths_used"] == {"1": 1}
 
 
-def test_a_whole_step_with_every_request_in_fallback_is_the_width_one_step_whatever_the_policy_prefers(monkeypatch):
+def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_width_one_saves_time(monkeypatch):
     from sglang_dflash.adaptive import ForcedFallback
     from sglang_dflash.worker import DFlashWorker
 
     def never(bs):
-        raise AssertionError("the policy is not asked when every request is in fallback")
+        raise AssertionError("the policy's own choice is not asked for where width 1 saves time")
 
     worker, batch, _, _, written = whole_step_worker(monkeypatch, "graph", decodes=True)
     worker.fallback, counted = ForcedFallback(), []
     worker.fallback.steps = 2  # the next step is one of the pattern's all-fallback steps
-    worker.width_policy = SimpleNamespace(choose=never, count=lambda *a: counted.append(a), cheapest=lambda bs: 1)
+    worker.width_policy = SimpleNamespace(choose=never, fallback_width=lambda bs: counted.append((bs, 1)) or 1)
     batch.reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]
-    assert result.accept_lens.tolist() == [1, 1] and counted == [(2, 1, "fallback")]
+    assert result.accept_lens.tolist() == [1, 1] and counted == [(2, 1)]
     assert worker.fallback.fallback_requests == 2 and len(written) == 1
 
 
