@@ -43,8 +43,12 @@ if os.environ.get("DFLASH_RUNS"):
     RUNS = {dtype: [r for r in runs if (r[0], str(r[1])) in _keep] for dtype, runs in RUNS.items()}
 # DFLASH_TP_SIZE=2 runs every server (AR included) tensor-parallel, on a machine with two GPUs.
 TP_SIZE = int(os.environ.get("DFLASH_TP_SIZE", 1))
+# DFLASH_ATTENTION_BACKEND=fa3 (bfloat16 only: fa3 has no float32 path) and DFLASH_PLUGIN_ENV=
+# "SGLANG_DFLASH_WIDTHS=auto,SGLANG_DFLASH_RAGGED=1" check a backend's or a mode's plugin against AR.
+BACKEND = os.environ.get("DFLASH_ATTENTION_BACKEND", "triton")
+PLUGIN_ENV = dict(kv.split("=", 1) for kv in os.environ.get("DFLASH_PLUGIN_ENV", "").split(",") if kv)
 # Spelled the way every release from 0.5.17 takes them (0.5.20 dropped --disable-piecewise-cuda-graph).
-COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+COMMON = ["--attention-backend", BACKEND, "--grammar-backend", "none", "--disable-prefill-cuda-graph",
           "--cuda-graph-max-bs-decode", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
           "--log-level", "warning", "--tp-size", str(TP_SIZE)]
 
@@ -114,6 +118,8 @@ def server_spec(impl, dtype, block=16, extra=()):
     # is TF32 for float32 inputs; decode and extend kernels then disagree by ~0.05 nats here.
     env = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"} if fp32 else {}
     graphs = ["--cuda-graph-max-bs-decode", "8"] if fp32 else []  # fp32 capture of 32 sizes stalled once
+    if impl == "plugin":
+        env = {**env, **PLUGIN_ENV}
     return ServerSpec(impl, target, draft if impl != "ar" else None, block if impl != "ar" else None,
                       COMMON + ["--dtype", dtype, *graphs, *extra], env)
 
@@ -224,8 +230,9 @@ def ids(results):
 
 
 def save(name, payload):
+    """The evidence, with the backend and the plugin's environment it was taken under."""
     with open(os.path.join(RESULTS, name), "w") as f:
-        json.dump(payload, f, indent=1)
+        json.dump({"attention_backend": BACKEND, "plugin_env": PLUGIN_ENV, **payload}, f, indent=1)
 
 
 def first_divergence(a, b):
