@@ -142,9 +142,10 @@ def main():
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
 
-    def server(name, env, draft_path=draft):
-        spec = ServerSpec("ar" if name == "ar" else "plugin", target, draft_path if name != "ar" else None,
-                          args.block if name != "ar" else None, FLAGS, {**ENV, **env})
+    def server(name, env):
+        plain = name == "ar"
+        spec = ServerSpec("ar" if plain else "plugin", target, None if plain else draft, None if plain else args.block,
+                          FLAGS, {**ENV, **env})
         return Server(spec, log_path=os.path.join(args.out, f"server-{name}.log"), timeout_s=420)
 
     servers = {"ar": server("ar", {}), "plugin": server("plugin", widths)}
