@@ -69,7 +69,7 @@ from .config import (RAGGED_ENV, DFlashConfigError, TargetInfo, context_in_verif
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
 from .ops.fp8 import FP8, Fp8RowwiseLinear
-from .ops.ragged import RaggedLanes, mask_unverified
+from .ops.ragged import RaggedLanes
 from .sampling import OutputCounts, to_device_async
 
 logger = logging.getLogger("sglang_dflash")
@@ -458,7 +458,11 @@ class DFlashWorker(BaseSpecWorker):
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
         penalty_rows = self.output_counts.batch_rows(batch.reqs)
-        lane_widths = self.ragged_lane_widths(batch, width, request_widths, penalty_rows) if self.ragged else None
+        lane_widths = None
+        if self.ragged:
+            lane_widths = self.ragged_lane_widths(batch, width, request_widths, penalty_rows)
+            if request_widths is not None:  # what each request was verified at, and so may keep
+                request_widths = (request_widths[0], lane_widths)
         logits_output, can_run_graph, context_written = self.verify_step(batch, block, lane_widths)
         self.decode_steps += 1
         if not can_run_graph:
@@ -470,7 +474,7 @@ class DFlashWorker(BaseSpecWorker):
             )
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
-        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows, request_widths)
+        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows)
         if penalty_rows is not None:
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
         if batch.return_logprob:
@@ -744,9 +748,10 @@ class DFlashWorker(BaseSpecWorker):
         return out.logits_output, out.can_run_cuda_graph, False  # DECODE graphs do not write the context
 
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
-                    penalty_rows: Optional[torch.Tensor] = None, request_widths: Optional[tuple] = None) -> Accepted:
+                    penalty_rows: Optional[torch.Tensor] = None) -> Accepted:
         """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft).
-        A request verified narrower than the block (in fallback) accepts no candidate past its width."""
+        A request whose ragged lane is narrower than the block (in fallback) accepts no candidate
+        past it; every other request was verified at the block's width and keeps what it accepts."""
         bs, B = block.candidates.shape
         candidates = block.candidates
         info = batch.sampling_info
@@ -754,9 +759,6 @@ class DFlashWorker(BaseSpecWorker):
             target_tokens = block.lanes.unpack(logits.argmax(dim=-1), B).to(torch.int64)
             candidates = block.lanes.mask_unverified(candidates)
         else:
-            if request_widths is not None and min(request_widths[1], default=B) < B:
-                widths = to_device_async(torch.tensor(request_widths[1], dtype=torch.int64), candidates.device)
-                candidates = mask_unverified(candidates, widths)
             if info is not None:
                 self.apply_request_params(logits.view(bs, B, -1), block.candidates, info, penalty_rows)
             if info is None or info.is_all_greedy:

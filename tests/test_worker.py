@@ -779,30 +779,60 @@ def test_fallback_learns_every_requests_accepts_and_the_policy_only_those_verifi
     assert recorded == [(8, 3, [5, 2], None), (1, 3, [0, 0, 0], None)]  # width 1 judges no draft
 
 
-def test_a_request_in_fallback_commits_only_the_targets_next_token_inside_a_wider_batch(monkeypatch):
-    """Both requests' drafts all match the target; the one in fallback (width 1; a ragged verify
-    with per-position parameters checks every lane at the batch's width) accepts none of them,
-    commits the target's token after its last committed one, and takes that as its bonus."""
-    import sglang_dflash.worker as worker_mod
-    from sglang_dflash.worker import Accepted, DFlashWorker, DraftBlock
+@pytest.mark.parametrize("per_position", [False, True])
+def test_a_ragged_step_records_and_keeps_the_width_each_request_was_verified_at(monkeypatch, per_position):
+    """Request b is in fallback. A greedy, plain batch gives it a lane of width 1: its step records
+    width 1 (so the policy leaves it out). With per-position parameters (here penalties) every lane is
+    verified at the batch's width, so b keeps every draft it accepts and its step records width 4."""
+    from collections import Counter, deque
 
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.adaptive import DraftHealth
+    from sglang_dflash.worker import DFlashWorker, DraftBlock
+
+    monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
     B, vocab = 4, 11
     candidates = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
     choices = torch.tensor([[4, 5, 6, 2], [8, 9, 10, 1]])  # the target agrees with every draft
-    logits = torch.nn.functional.one_hot(choices, vocab).float().view(2 * B, vocab)
-    bufs = {k: torch.zeros(2, dtype=torch.int64) for k in Accepted.__dataclass_fields__}
-    bufs["out_tokens"] = torch.zeros(2, B, dtype=torch.int64)
-    worker = object.__new__(DFlashWorker)
-    worker.stalls = StepStalls()
-    batch = SimpleNamespace(sampling_info=None, seq_lens=torch.tensor([10, 20]))
-    block = DraftBlock(candidates, torch.arange(2 * B), torch.arange(2 * B), torch.tensor([14, 24]))
-    acc = DFlashWorker.accept_step(worker, batch, block, logits, bufs, None, (["a", "b"], [4, 1]))
-    assert acc.commit_len.tolist() == [4, 1] and acc.bonus.tolist() == [2, 8]
-    assert acc.new_seq_lens.tolist() == [14, 21] and acc.out_tokens[1, 0].item() == 8
-    assert candidates.tolist() == [[3, 4, 5, 6], [7, 8, 9, 10]]  # the block itself is not changed
-    plain = DFlashWorker.accept_step(worker, batch, block, logits, bufs, None, None)
-    assert plain.commit_len.tolist() == [4, 4]
+    worker = fallback_worker(DraftHealth(misses=1, retry_every=1000), lambda bs: B)
+    worker.fallback.observe(["b"], [B], [0])  # b's drafts failed: it is in fallback
+    worker.block_size, worker.ragged, worker.hybrid = B, True, False
+    worker.buffers, worker.device = StepBuffers(B, "cpu"), "cpu"
+    worker.eager_verifies, worker.decode_steps = Counter(), 0
+    worker.draft_step = lambda batch, bufs, width: DraftBlock(candidates.clone(), torch.arange(2 * B),
+                                                              torch.arange(2 * B), torch.tensor([14, 24]))
+    rows = torch.tensor([0, 1]) if per_position else None
+    worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: rows, commit=lambda *a: None)
+    lanes_seen, timed = [], []
+
+    def verify_step(batch, block, lane_widths):
+        lanes_seen.append(lane_widths)
+        if lane_widths != [B, B]:  # b's one lane: its bonus row only
+            block.lanes = worker_mod.RaggedLanes.from_widths(lane_widths, "cpu")
+            picked = torch.cat([choices[0], choices[1, :1]])
+            return SimpleNamespace(next_token_logits=torch.nn.functional.one_hot(picked, vocab).float(),
+                                   hidden_states=None), True, True
+        logits = torch.nn.functional.one_hot(choices, vocab).float().view(2 * B, vocab)
+        return SimpleNamespace(next_token_logits=logits, hidden_states=None), True, True
+
+    worker.verify_step = verify_step
+    worker.time_step = lambda width, bs, request_widths: timed.append((width, request_widths))
+
+    class Lens(torch.Tensor):
+        def record_stream(self, stream):
+            pass
+
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")], sampling_info=None,
+                            has_grammar=False, return_logprob=False, spec_info=object(),
+                            seq_lens=torch.tensor([10, 20]).as_subclass(Lens), forward_mode=ForwardMode.DECODE,
+                            is_extend_in_batch=False)
+    result = DFlashWorker.forward_batch_generation(worker, batch)
+    verified = [B, B] if per_position else [B, 1]
+    assert lanes_seen == [verified] and timed == [(B, (["a", "b"], verified))]
+    assert result.accept_lens.tolist() == ([4, 4] if per_position else [4, 1])
+    assert result.next_draft_input.bonus_tokens.tolist() == ([2, 1] if per_position else [2, 8])
+    assert result.new_seq_lens.tolist() == ([14, 24] if per_position else [14, 21])
 
 
 def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
