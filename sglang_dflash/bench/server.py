@@ -26,6 +26,9 @@ IMPLEMENTATIONS = {
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
     # The plugin with adaptive verify width (issue 27): every width of the block, the throughput policy.
     "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto"}),
+    # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
+    "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
+                        {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto", "SGLANG_DFLASH_RAGGED": "1"}),
     # The plugin writing each step's draft context with eager launches after the accept (A/B of
     # the write inside the target's verify graphs).
     "plugin-eager-context": (["--speculative-algorithm", "DFLASH"],
@@ -38,7 +41,8 @@ IMPLEMENTATIONS = {
                     {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-eager-context", "plugin-fp8", "builtin-fp8")
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "adaptive-ragged", "plugin-eager-context", "plugin-fp8",
+                "builtin-fp8")
 
 
 def is_implementation(name: str) -> bool:
