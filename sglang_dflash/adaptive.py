@@ -43,13 +43,19 @@ class AcceptanceByPosition:
 
     def update(self, accept_lens: Sequence[int], width: int) -> None:
         """One step's accepted-draft counts (bonus excluded), one per request, at ``width``."""
+        # Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
+        # and accepted in those that accepted at least k: counts from the suffix sums.
+        at_least = [0] * (width + 1)
+        for a in accept_lens:
+            at_least[min(a, width - 1)] += 1
+        for j in range(width - 1, 0, -1):
+            at_least[j - 1] += at_least[j]
         for k in range(1, self.block_size):
             self.accepted[k] *= self.decay
             self.tested[k] *= self.decay
-        for a in accept_lens:
-            for k in range(1, min(a + 1, width - 1) + 1):  # drafts 1..a+1 were judged (while < width)
-                self.tested[k] += 1
-                self.accepted[k] += k <= a
+            if k < width:
+                self.tested[k] += at_least[k - 1]
+                self.accepted[k] += at_least[k]
         self._expected = None
 
     def rate(self, k: int) -> float:
@@ -116,12 +122,14 @@ class WidthPolicy:
     is not worth a step. Full width is verified every ``8 * refresh_every`` steps whatever it
     costs: the deeper positions' acceptance is only seen there, and without it a workload that
     turns easy would stay narrow. A new choice must beat the current one by ``margin / 4``, so
-    near-equal widths do not flip on noise."""
+    near-equal widths do not flip on noise. Once settled, a bucket's choice is reconsidered every
+    ``decide_every`` steps and at each scheduled re-measurement, not every step: on a host-bound
+    pair the policy's own host time is a share of the step."""
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
-                 margin: float = 0.1):
+                 margin: float = 0.1, decide_every: int = 8):
         self.widths = tuple(widths or candidate_widths(block_size))
         if max(self.widths) > block_size or min(self.widths) < 1:
             raise ValueError(f"widths must lie in 1..{block_size}, got {self.widths}")
@@ -130,6 +138,8 @@ class WidthPolicy:
         self.refresh_every, self.margin = refresh_every, margin
         self.steps = 0
         self.current: dict[int, int] = {}  # batch-size bucket -> the width chosen last
+        self.decide_every = decide_every
+        self.settled: dict[int, tuple[int, int]] = {}  # bucket -> (best width, the step it is held until)
         self.refreshes = 0
         self.reasons: Counter = Counter()  # (bucket, width, why) -> steps: which rule chose each width
 
@@ -145,18 +155,27 @@ class WidthPolicy:
 
     def choose(self, bs: int) -> int:
         self.steps += 1
-        width, why = self._first_try(bs), "first_try"
-        if width is None:
-            if self.steps % (8 * self.refresh_every) == 0:
-                width, why = max(self.widths), "deep_refresh"
-            else:
-                width, why = self._best(bs), "best"
-                if self.steps % self.refresh_every == 0:
-                    refresh = self._worth_measuring(bs, width)
-                    if refresh is not None:
-                        width, why = refresh, "refresh"
+        held = self.settled.get(bucket(bs))
+        if held is not None and self.steps < held[1] and self.steps % self.refresh_every:
+            width, why = held[0], "best"
+        else:
+            width, why = self._decide(bs)
         self.reasons[bucket(bs), width, why] += 1
         return width
+
+    def _decide(self, bs: int) -> tuple[int, str]:
+        width = self._first_try(bs)
+        if width is not None:
+            return width, "first_try"
+        if self.steps % (8 * self.refresh_every) == 0:
+            return max(self.widths), "deep_refresh"
+        width = self._best(bs)
+        self.settled[bucket(bs)] = (width, self.steps + self.decide_every)
+        if self.steps % self.refresh_every == 0:
+            refresh = self._worth_measuring(bs, width)
+            if refresh is not None:
+                return refresh, "refresh"
+        return width, "best"
 
     def _measured(self, bs: int) -> list[int]:
         """Widths measured often enough here to be judged by their cost: a host hiccup only ever

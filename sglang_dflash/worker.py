@@ -296,6 +296,7 @@ class DFlashWorker(BaseSpecWorker):
         # (width, bs, start, end, (rids, per-request widths) or None) of the steps whose accept lengths are due
         self.steps_in_flight: deque = deque()
         self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
+        self.spare_events: list = []  # timing events read already, recorded again rather than made anew
         # Decode steps, and the drafts and verifies among them that ran outside CUDA graphs (each one
         # slows a host-bound server down).
         self.decode_steps, self.eager_drafts = 0, 0
@@ -525,7 +526,7 @@ class DFlashWorker(BaseSpecWorker):
         adds to the stream, host gaps included (with no draft pass to hide behind, a width-1
         step's launch can leave the GPU waiting). After a prefill or an idle turn there is no
         previous end, and the step is not timed."""
-        ended = torch.cuda.Event(enable_timing=True)
+        ended = self.spare_events.pop() if self.spare_events else torch.cuda.Event(enable_timing=True)
         ended.record()
         self.steps_in_flight.append((width, bs, self.last_step_end, ended, request_widths))
         self.last_step_end = ended
@@ -538,6 +539,8 @@ class DFlashWorker(BaseSpecWorker):
             return
         width, bs, started, ended, request_widths = self.steps_in_flight.popleft()
         seconds = started.elapsed_time(ended) / 1000 if started is not None and ended.query() else None
+        if started is not None:  # the step before this one was its last reader
+            self.spare_events.append(started)
         accepted = num_correct_drafts_per_req
         if request_widths is not None:
             rids, widths = request_widths

@@ -442,3 +442,37 @@ def test_a_batch_all_in_fallback_skips_drafting_only_where_that_saves_time():
     assert policy.choices() == {"1@8": {"fallback": 3}, "1@64": {"fallback": 1}}
     cycling = CyclingWidths((16, 1))
     assert cycling.fallback_width(8) == 1 and cycling.widths_used() == {1: 1}
+
+
+def test_a_settled_choice_is_reconsidered_every_few_steps_not_every_step():
+    """On a host-bound pair (SmolLM2, a 4 ms step) the policy's host time is a share of the step:
+    once a bucket has settled, the choice is held for ``decide_every`` steps, and a change in what
+    the steps cost still reaches it within that many."""
+    policy = WidthPolicy(16, decide_every=8)
+    cost = {"slow_narrow": lambda w, b: 1.0 + 0.1 * w, "fast_narrow": lambda w, b: 1.0 + 0.001 * w}
+    run_policy(policy, 4, 0.9, cost["fast_narrow"], 200, random.Random(9))
+    assert policy.current[4] == 16
+    decided = []
+    best = policy._best
+    policy._best = lambda bs: decided.append(policy.steps) or best(bs)
+    run_policy(policy, 4, 0.9, cost["fast_narrow"], 160, random.Random(10))
+    assert len(decided) <= 160 // 8 + 160 // 16 and decided[-1] >= policy.steps - 8
+    policy.acceptance = type(policy.acceptance)(16)  # drafts stop being accepted: the choice must follow
+    run_policy(policy, 4, 0.0, cost["slow_narrow"], 400, random.Random(11))
+    assert policy.current[4] == 1
+
+
+def test_acceptance_counts_each_request_drafts_judged_and_accepted():
+    """Request by request: drafts 1..a+1 were judged (those below the width), drafts 1..a accepted."""
+    rng = random.Random(12)
+    acc = AcceptanceByPosition(16, decay=1.0)
+    tested, accepted = [0] * 16, [0] * 16
+    for _ in range(300):
+        width = rng.choice(candidate_widths(16)[:-1])
+        lens = [rng.randrange(width) for _ in range(rng.randrange(1, 9))]
+        acc.update(lens, width)
+        for a in lens:
+            for k in range(1, min(a + 1, width - 1) + 1):
+                tested[k] += 1
+                accepted[k] += k <= a
+    assert acc.tested == tested and acc.accepted == accepted

@@ -330,14 +330,17 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
-    worker.steps_in_flight = deque([(8, 2, None, Event(5.0), None), (8, 2, Event(5.0), Event(17.0), None),
-                                    (1, 2, Event(17.0), Event(20.0, done=False), None)])
+    worker.spare_events = []
+    ends = [Event(5.0), Event(17.0), Event(20.0, done=False)]
+    worker.steps_in_flight = deque([(8, 2, None, ends[0], None), (8, 2, ends[0], ends[1], None),
+                                    (1, 2, ends[1], ends[2], None)])
     DFlashWorker.on_verify_complete_cpu(worker, [1, 1], batch_size=2)  # the first after a prefill: not timed
     DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)  # from the step before's end to its own
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # nothing in flight (a prefill's)
     assert seen == [(8, 2, [1, 1], None), (8, 2, [3, 0], 0.012), (1, 2, [0, 0], None)]
     assert not worker.steps_in_flight
+    assert worker.spare_events == ends[:2]  # each start event, once read, is recorded again later
 
 
 def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_breaks_the_chain(monkeypatch):
@@ -356,11 +359,15 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
     monkeypatch.setattr(worker_mod.torch.cuda, "Event", Event)
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
-    worker.steps_in_flight, worker.last_step_end = deque(), None
+    worker.steps_in_flight, worker.last_step_end, worker.spare_events = deque(), None, []
     DFlashWorker.time_step(worker, 16, 4)
     DFlashWorker.time_step(worker, 1, 4)
     (_, _, start0, end0, _), (_, _, start1, end1, _) = worker.steps_in_flight
     assert start0 is None and start1 is end0 and worker.last_step_end is end1
+    spare = Event(True)
+    worker.spare_events.append(spare)
+    DFlashWorker.time_step(worker, 16, 4)
+    assert worker.steps_in_flight[-1][3] is spare and not worker.spare_events  # reused, not made anew
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), is_extend_in_batch=True)
     worker.prefill_step = lambda batch, on_publish: "prefilled"
     worker.pauses = SimpleNamespace(serving=False, mark_serving=lambda: setattr(worker.pauses, "serving", True))
@@ -378,7 +385,7 @@ def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     monkeypatch.setattr(worker_mod, "WIDTHS_LOG_EVERY", 4)
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
-    worker.width_policy, worker.steps_in_flight = CyclingWidths((16, 4, 1)), deque()
+    worker.width_policy, worker.steps_in_flight, worker.spare_events = CyclingWidths((16, 4, 1)), deque(), []
     worker.fallback, worker.widths_logged_at = None, 0
     done = SimpleNamespace(query=lambda: False)
     with caplog.at_level("INFO", logger="sglang_dflash"):
