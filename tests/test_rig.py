@@ -115,13 +115,16 @@ def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
             on_level(levels)
 
     monkeypatch.setattr(profile_step, "profile_impl", fake_profile)
-    assert profile_step.main(["--rig", "random", "--rig-dir", str(tmp_path), "--impls", "ar,plugin",
+    assert profile_step.main(["--rig", "random", "--rig-dir", str(tmp_path), "--impls", "ar,plugin@8",
                               "--concurrency", "1,8", "--output-dir", str(tmp_path / "out")]) == 0
-    (spec, args), _ = seen
+    (spec, args), (plugin, _) = seen
+    assert (plugin.impl, plugin.block_size, plugin.label) == ("plugin", 8, "plugin-b8")  # as the sweep names it
+    assert plugin.command(30000)[-len(plugin.extra_args) - 2:-len(plugin.extra_args)] == [
+        "--speculative-num-draft-tokens", "8"]
     assert spec.model_path.endswith("qwen3-8b/target") and spec.draft_model_path.endswith("qwen3-8b/draft")
     assert spec.extra_args[-3:] == ["--skip-tokenizer-init", "--load-format", "dummy"]
     written = json.load(open(tmp_path / "out" / "profile_step.json"))
-    assert set(written["ar"]) == set(written["plugin"]) == {"c1", "c8"}
+    assert set(written["ar"]) == set(written["plugin@8"]) == {"c1", "c8"}
     with pytest.raises(SystemExit):
         profile_step.main(["--output-dir", str(tmp_path / "out"), "--rig", "zero", "--concurrency", "1,x"])
     with pytest.raises(SystemExit):

@@ -33,7 +33,7 @@ from typing import Optional
 from . import rig
 from .cli import comma_list, parser
 from .client import post_json, run_requests
-from .server import Server, ServerSpec, is_implementation
+from .server import Server, ServerSpec, is_implementation, split_block_size
 from .stats import summarize
 
 
@@ -422,9 +422,10 @@ def main(argv=None) -> int:
                 ("trace_span_us_per_step", "gpu_kernel_us_per_step", "kernel_launches_per_step"))
         print(json.dumps({impl: {level: {k: last.get(k) for k in keys}}}), flush=True)
 
-    for impl in impls:
-        spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, server_args)
-        profile_impl(spec, args, args.output_dir, on_level=lambda levels, impl=impl: write(impl, levels))
+    for name in impls:
+        impl, block_size = split_block_size(name)  # plugin@8: that server's block size
+        spec = ServerSpec(impl, args.model_path, args.draft_model_path, block_size, server_args)
+        profile_impl(spec, args, args.output_dir, on_level=lambda levels, name=name: write(name, levels))
     return 0
 
 
