@@ -9,10 +9,12 @@
 #   bash lab/gpu_tests.sh "hybrid and not builtin"              # Qwen3.5 hybrid target, draft window
 #   bash lab/gpu_tests.sh "hybrid and builtin"                  # the built-in on the checkpoint test
 #   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=$PWD/results/smollm2-draft bash lab/gpu_tests.sh "bfloat16 and greedy"
-#                                # bf16 rule on a real pair, held-out chat prompts (carry .bench-eval)
-#   DFLASH_ATTENTION_BACKEND=fa3 DFLASH_PLUGIN_ENV=SGLANG_DFLASH_WIDTHS=auto,SGLANG_DFLASH_RAGGED=1 DFLASH_RUNS=plugin:16 \
+#                                # bf16 rule on a real pair, held-out chat prompts (carry .bench-eval with
+#                                # gsm8k, humaneval and mt-bench)
+#   DFLASH_ATTENTION_BACKEND=fa3 DFLASH_PLUGIN_ENV=SGLANG_DFLASH_WIDTHS=auto,SGLANG_DFLASH_RAGGED=1,SGLANG_DFLASH_FALLBACK=force,SGLANG_DFLASH_WIDTH_POLICY=cycle \
+#     DFLASH_RUNS=plugin:16 \
 #     DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=$PWD/results/smollm2-draft bash lab/gpu_tests.sh "bfloat16 and greedy"
-#                                # ragged verify (fa3, FA3 staged) under the same rule
+#                                # ragged verify (fa3, FA3 staged), width-1 lanes forced, under the same rule
 case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
