@@ -107,7 +107,8 @@ def worker_steps_follow_plain_decoding(device: str, widths) -> None:
 
     from sglang_dflash.reference import RequestParams, TinyTarget, TinyTargetConfig, target_generate
     from sglang_dflash.sampling import OutputCounts
-    from sglang_dflash.worker import DFlashWorker, DraftBlock, StepBuffers
+    from sglang_dflash.draft import DraftBlock, StepBuffers
+    from sglang_dflash.worker import DFlashWorker
 
     target = TinyTarget(TinyTargetConfig(vocab_size=64, logit_scale=8.0), seed=0).eval()
     rng, B, stops, max_new = random.Random(216), 8, [7], 28

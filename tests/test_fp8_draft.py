@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_dflash import worker as worker_mod
+from sglang_dflash import draft as draft_mod
 from sglang_dflash.model import dense_weight, has_dense_weight
 from sglang_dflash.ops.fp8 import FP8, FP8_MAX, Fp8RowwiseLinear, quantize_rows
 
@@ -72,14 +72,14 @@ def test_an_fp8_head_is_refused_where_torch_has_no_fp8_gemm():
 
 
 def test_the_greedy_draft_head_keeps_its_16_bit_weights_where_fp8_cannot_run(monkeypatch, caplog):
-    monkeypatch.setattr(worker_mod, "get_tp_group", lambda: SimpleNamespace(world_size=1))
-    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
+    monkeypatch.setattr(draft_mod, "get_tp_group", lambda: SimpleNamespace(world_size=1))
+    monkeypatch.setattr(draft_mod, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
     torch.manual_seed(3)
     lm_head = SimpleNamespace(weight=torch.randn(40, 32))
     hidden = torch.randn(3 * 4, 32)
-    plain = worker_mod.GreedyDraftHead(lm_head, block_size=4, max_bs=3)
+    plain = draft_mod.GreedyDraftHead(lm_head, block_size=4, max_bs=3)
     with caplog.at_level("INFO", logger="sglang_dflash"):
-        asked = worker_mod.GreedyDraftHead(lm_head, block_size=4, max_bs=3, fp8=True)
+        asked = draft_mod.GreedyDraftHead(lm_head, block_size=4, max_bs=3, fp8=True)
     assert asked.fp8 is None and "draft head stays in torch.float32" in caplog.text
     expected = (hidden.view(3, 4, 32)[:, 1:].reshape(-1, 32) @ lm_head.weight.T).argmax(-1)
     assert asked(hidden).tolist() == plain(hidden).tolist() == expected.tolist()
@@ -87,9 +87,9 @@ def test_the_greedy_draft_head_keeps_its_16_bit_weights_where_fp8_cannot_run(mon
 
 def test_the_head_is_fp8_only_when_the_drafts_linears_are():
     plain = torch.nn.Linear(8, 8)
-    assert not worker_mod.draft_weights_fp8(plain)
+    assert not draft_mod.draft_weights_fp8(plain)
     plain.weight.data = plain.weight.data.to(FP8)
-    assert worker_mod.draft_weights_fp8(plain)
+    assert draft_mod.draft_weights_fp8(plain)
 
 
 def test_the_stacked_context_weights_of_an_fp8_draft_are_its_dequantised_k_and_v_rows():

@@ -12,7 +12,8 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.host_pauses import StepStalls
 from sglang_dflash.reference import ReferenceDraft
-from sglang_dflash.worker import DraftWindow, StepBuffers, extend_positions, mamba_track_steps
+from sglang_dflash.draft import DraftWindow, StepBuffers
+from sglang_dflash.worker import extend_positions, mamba_track_steps
 
 
 def test_step_buffers_alternate_so_a_step_never_overwrites_the_previous_results():
@@ -795,7 +796,8 @@ def test_a_ragged_step_records_and_keeps_the_width_each_request_was_verified_at(
 
     import sglang_dflash.worker as worker_mod
     from sglang_dflash.adaptive import DraftHealth
-    from sglang_dflash.worker import DFlashWorker, DraftBlock
+    from sglang_dflash.draft import DraftBlock
+    from sglang_dflash.worker import DFlashWorker
 
     monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
@@ -904,7 +906,8 @@ def test_a_ragged_verify_packs_each_requests_lanes_and_accepts_what_each_would_a
     accept from its packed rows equals each request's accept alone at its width."""
     import sglang_dflash.worker as worker_mod
     from sglang_dflash.reference import accept_block as reference_accept
-    from sglang_dflash.worker import Accepted, DFlashWorker, DraftBlock
+    from sglang_dflash.draft import DraftBlock
+    from sglang_dflash.worker import Accepted, DFlashWorker
 
     monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
     bs, B, vocab, tier = 3, 4, 9, 16

@@ -1,0 +1,143 @@
+"""The draft side of a decode step, as the worker holds it: the block a draft pass hands to the
+verify (:class:`DraftBlock`), the per-step tensors it is built in (:class:`StepBuffers`), the
+draft's own request table when it attends to a window (:class:`DraftWindow`), and the greedy
+head that turns the draft's hidden states into tokens with the target's lm_head
+(:class:`GreedyDraftHead`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_gather
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.runtime_context import get_parallel
+
+from .ops.fp8 import FP8, Fp8RowwiseLinear
+from .ops.ragged import RaggedLanes
+
+logger = logging.getLogger("sglang_dflash")
+
+
+@dataclass
+class DraftBlock:
+    candidates: torch.Tensor  # [bs, w]: last committed token, then w-1 drafts (w = B unless narrowed)
+    positions: torch.Tensor  # [bs*w]
+    cache_loc: torch.Tensor  # [bs, w] KV slots of the verified positions
+    seq_lens_bound: torch.Tensor  # host, [bs]: committed + B, what attention planning may assume
+    lanes: Optional[RaggedLanes] = None  # a ragged verify's packed lanes (SGLANG_DFLASH_RAGGED)
+
+
+class StepBuffers:
+    """The per-step tensors, allocated once instead of eight ``torch.empty`` calls per step.
+
+    Two sets alternate: with the overlap schedule the host may still copy step N's results
+    while step N+1 is launched; step N+2 starts only after step N's results are processed.
+    """
+
+    VERIFIED = ("candidates", "out_tokens")  # [bs, width]; the rest follow the block or the request
+
+    def __init__(self, block_size: int, device):
+        self.block_size, self.device = block_size, device
+        self.sets: list[Optional[dict]] = [None, None]
+        self.turn = 0
+
+    def take(self, bs: int, seq_dtype: torch.dtype, width: Optional[int] = None) -> dict:
+        """Views for ``bs`` requests. The block's own tensors are ``[bs, B]``; what the verify and
+        the accept step see (``candidates``, ``out_tokens``) is ``[bs, width]``, contiguous, so a
+        step that verifies only ``width`` positions passes its kernels dense rows."""
+        self.turn ^= 1
+        bufs = self.sets[self.turn]
+        if bufs is None or bufs["cap"] < bs or bufs["new_seq_lens"].dtype != seq_dtype:
+            bufs = self.sets[self.turn] = self._allocate(max(bs, 2 * (bufs or {"cap": 8})["cap"]), seq_dtype)
+        width = width or self.block_size
+        if not 1 <= width <= self.block_size:
+            raise ValueError(f"verify width {width} outside 1..{self.block_size}")
+        views = {k: v[:bs] for k, v in bufs.items() if k != "cap"}
+        for k in self.VERIFIED:
+            views[k] = bufs[k].view(-1)[: bs * width].view(bs, width)
+        return views
+
+    def _allocate(self, cap: int, seq_dtype: torch.dtype) -> dict:
+        B, dev = self.block_size, self.device
+        block = lambda: torch.empty((cap, B), dtype=torch.int64, device=dev)  # noqa: E731
+        return {
+            "cap": cap, "block_ids": block(), "positions": block(), "cache_loc": block(), "candidates": block(),
+            "out_tokens": block(), "bonus": torch.empty(cap, dtype=torch.int64, device=dev),
+            "accept_len": torch.empty(cap, dtype=torch.int32, device=dev),
+            "commit_len": torch.empty(cap, dtype=torch.int32, device=dev),
+            "new_seq_lens": torch.empty(cap, dtype=seq_dtype, device=dev),
+        }
+
+
+class DraftWindow:
+    """``--speculative-draft-window-size``: the draft's request table holds, per request, the
+    slots of the last ``size`` committed positions followed by the block's, so the draft's
+    attention (and its CUDA graphs) never reach further back. K/V is still written for every
+    position: a radix-cache hit may later need any of them.
+    """
+
+    def __init__(self, size: int, block_size: int, shared_pool, device):
+        self.size = size
+        self.pool = ReqToTokenPool(size=shared_pool.size, max_context_len=size + block_size, device=device,
+                                   enable_memory_saver=False)
+        self.cols = torch.arange(size + block_size, device=device)
+
+    def fill(self, req_pool_indices, seq_lens, req_to_token) -> torch.Tensor:
+        """Rewrite this batch's rows; returns each request's attended context length."""
+        ctx_lens = torch.clamp(seq_lens, max=self.size)
+        cols = ((seq_lens - ctx_lens)[:, None] + self.cols).clamp_(max=req_to_token.shape[1] - 1)
+        self.pool.req_to_token[req_pool_indices] = req_to_token[req_pool_indices[:, None], cols]
+        return ctx_lens
+
+
+def draft_weights_fp8(draft_model) -> bool:
+    """The draft's linears were quantised to fp8 (SGLang's online quantisation of a 16-bit checkpoint)."""
+    return any(p.dtype == FP8 for p in draft_model.parameters())
+
+
+class GreedyDraftHead:
+    """argmax of the target lm_head over block slots 1..B-1, folded into the draft CUDA graph.
+
+    Writes into a static buffer so graph replays leave the tokens in place. With TP each rank
+    reduces its vocab shard, then ranks compare maxima; the lowest rank wins ties, as argmax does.
+    """
+
+    def __init__(self, lm_head, block_size: int, max_bs: int, fp8: bool = False):
+        self.weight = lm_head.weight
+        shard = getattr(lm_head, "shard_indices", None)
+        self.vocab_start = int(shard.org_vocab_start_index) if shard is not None else 0
+        self.vocab_rows = int(shard.num_org_elements) if shard is not None else self.weight.shape[0]
+        self.block_size = block_size
+        self.tp_size = get_tp_group().world_size
+        self.out = torch.zeros(max_bs * (block_size - 1), dtype=torch.int64, device=self.weight.device)
+        # With an fp8 draft (--speculative-draft-model-quantization fp8) its head reads fp8 too.
+        self.fp8: Optional[Fp8RowwiseLinear] = None
+        if fp8:
+            why_not = Fp8RowwiseLinear.eligible(self.weight[: self.vocab_rows])
+            if why_not is None:
+                self.fp8 = Fp8RowwiseLinear(self.weight[: self.vocab_rows])
+            elif get_parallel().tp_rank == 0:
+                logger.info("DFLASH draft head stays in %s: %s", self.weight.dtype, why_not)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        hs = hidden.view(-1, self.block_size, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+        if self.fp8 is not None:
+            logits = self.fp8(hs)
+        else:
+            logits = hs.to(self.weight.dtype) @ self.weight[: self.vocab_rows].T  # padded rows excluded
+        best, idx = logits.max(dim=-1)
+        idx = idx + self.vocab_start
+        if self.tp_size > 1:
+            best = tensor_model_parallel_all_gather(best[None], dim=0)
+            idx = tensor_model_parallel_all_gather(idx[None], dim=0)
+            idx = idx.gather(0, best.argmax(dim=0, keepdim=True))[0]
+        return idx
+
+    def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
+        """Inside the draft graph: leave the tokens where replays will find them."""
+        tokens = self(out.hidden_states)
+        self.out[: tokens.shape[0]].copy_(tokens)
