@@ -155,12 +155,13 @@ class WidthPolicy:
 
     def choose(self, bs: int) -> int:
         self.steps += 1
-        held = self.settled.get(bucket(bs))
+        b = bucket(bs)
+        held = self.settled.get(b)
         if held is not None and self.steps < held[1] and self.steps % self.refresh_every:
             width, why = held[0], "best"
         else:
             width, why = self._decide(bs)
-        self.reasons[bucket(bs), width, why] += 1
+        self.reasons[b, width, why] += 1
         return width
 
     def _decide(self, bs: int) -> tuple[int, str]:

@@ -57,11 +57,7 @@ class RaggedLanes:
         return dense
 
     def mask_unverified(self, candidates: torch.Tensor) -> torch.Tensor:
-        return mask_unverified(candidates, self.widths)
-
-
-def mask_unverified(candidates: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """``candidates [bs, B]`` with every column at or past a request's width (``widths [bs]``) set
-    to :data:`UNVERIFIED`: request i accepts at most w_i - 1 drafts, whatever its verify checked."""
-    cols = torch.arange(candidates.shape[1], device=candidates.device)
-    return candidates.masked_fill(cols[None, :] >= widths[:, None], UNVERIFIED)
+        """``candidates [bs, B]`` with every column at or past a request's width set to
+        :data:`UNVERIFIED`: request i accepts at most w_i - 1 drafts."""
+        cols = torch.arange(candidates.shape[1], device=candidates.device)
+        return candidates.masked_fill(cols[None, :] >= self.widths[:, None], UNVERIFIED)
