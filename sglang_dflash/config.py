@@ -31,6 +31,10 @@ WIDTH_POLICIES = ("throughput", "cycle")
 FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
 FALLBACK_MODES = ("on", "off", "force")
 RAGGED_ENV = "SGLANG_DFLASH_RAGGED"
+# The lm_head rows the draft's greedy head reads: "auto" (the default: the 32768 tokens served most
+# often when the vocabulary holds at least twice as many), "full", or a row count.
+DRAFT_VOCAB_ENV = "SGLANG_DFLASH_DRAFT_VOCAB"
+DRAFT_VOCAB_AUTO_ROWS = 32768
 IMPLEMENTATIONS = ("plugin", "builtin")
 
 
@@ -98,6 +102,24 @@ def ragged_verify() -> bool:
     """Each request verifies its own width in one target forward, from SGLang's compact ragged
     verify graphs (fa3; experimental, off unless :data:`RAGGED_ENV` is 1)."""
     return os.environ.get(RAGGED_ENV, "0").strip() == "1"
+
+
+def draft_vocab_rows(vocab_rows: int) -> Optional[int]:
+    """How many lm_head rows the draft's greedy head reads (``None``: all of them), from
+    :data:`DRAFT_VOCAB_ENV`. The draft only proposes, so a smaller head changes which tokens are
+    proposed and never which are committed."""
+    text = os.environ.get(DRAFT_VOCAB_ENV, "auto").strip().lower() or "auto"
+    if text == "full":
+        return None
+    if text == "auto":
+        return DRAFT_VOCAB_AUTO_ROWS if vocab_rows >= 2 * DRAFT_VOCAB_AUTO_ROWS else None
+    try:
+        rows = int(text)
+    except ValueError:
+        raise DFlashConfigError(DRAFT_VOCAB_ENV, f"{text!r} is not 'auto', 'full' or a row count") from None
+    if rows < 16 or rows % 16:
+        raise DFlashConfigError(DRAFT_VOCAB_ENV, f"{rows} rows: give a multiple of 16, at least 16")
+    return rows if rows < vocab_rows else None
 
 
 DEFAULT_BLOCK_SIZE = 16

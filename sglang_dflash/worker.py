@@ -63,8 +63,8 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import make_fallback, make_width_policy
-from .config import (RAGGED_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph, draft_fallback,
-                     ragged_verify, verify_widths, width_policy_kind)
+from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
+                     draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
@@ -258,8 +258,13 @@ class DFlashWorker(BaseSpecWorker):
         capture = graphs.backend != Backend.DISABLED
         lm_head = self.model_runner.model.lm_head
         self.draft_head = GreedyDraftHead(
-            lm_head, self.block_size, max(graphs.bs) if capture else 1, fp8=draft_weights_fp8(self.draft_model)
+            lm_head, self.block_size, max(graphs.bs) if capture else 1, fp8=draft_weights_fp8(self.draft_model),
+            vocab_rows=draft_vocab_rows(self.model_runner.model_config.vocab_size),
         )
+        if self.draft_head.vocab is not None and get_parallel().tp_rank == 0:
+            logger.info("DFLASH draft head reads the %d of %d lm_head rows served most often (%s=full for all)",
+                        self.draft_head.vocab.size * self.draft_head.tp_size,
+                        self.model_runner.model_config.vocab_size, DRAFT_VOCAB_ENV)
         # A quantised lm_head needs its own kernels: leave the head out of the graph then.
         self.head_in_graph = capture and torch.is_floating_point(lm_head.weight)
         if self.head_in_graph:
@@ -290,6 +295,9 @@ class DFlashWorker(BaseSpecWorker):
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
                 "stalls": self.stalls.report(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
+        vocab = self.draft_head.vocab if self.draft_head is not None else None
+        if vocab is not None:
+            info["draft_vocab"] = {"rows": vocab.size * self.draft_head.tp_size, "rebuilds": vocab.rebuilds}
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
@@ -333,6 +341,7 @@ class DFlashWorker(BaseSpecWorker):
         batch.seq_lens.record_stream(torch.cuda.current_stream())  # may come from the FutureMap stream
         bs = len(batch.seq_lens)
         width, request_widths = self.choose_widths(batch, bs)
+        self.draft_head.maybe_rebuild()
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
@@ -354,6 +363,7 @@ class DFlashWorker(BaseSpecWorker):
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
         accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows)
+        self.draft_head.observe(accepted.out_tokens)  # every verified position: the target's own tokens
         if penalty_rows is not None:
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
         if batch.return_logprob:
@@ -437,6 +447,8 @@ class DFlashWorker(BaseSpecWorker):
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
         self.output_counts.start(batch.reqs)
         result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        if getattr(batch, "input_ids", None) is not None:
+            self.draft_head.observe(batch.input_ids, checked=True)
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(batch.seq_lens)

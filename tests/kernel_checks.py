@@ -183,3 +183,50 @@ def check_fp8_head(device: str) -> None:
     assert agree >= 0.8, agree
     # A wrong scale must show: the comparison can fail.
     assert not torch.allclose(logits.float() * 1.1, ref, atol=0.05, rtol=0.02)
+
+
+def check_draft_vocab_head_in_graph(device: str) -> None:
+    """The greedy head over part of the vocabulary inside a CUDA graph: a rebuild between replays
+    changes the rows and ids the replay reads (16-bit and fp8 heads alike)."""
+    from types import SimpleNamespace
+
+    from sglang_dflash import draft as draft_mod
+
+    saved = draft_mod.get_tp_group, draft_mod.get_parallel
+    draft_mod.get_tp_group = lambda: SimpleNamespace(world_size=1)  # one rank, no process group
+    draft_mod.get_parallel = lambda: SimpleNamespace(tp_rank=0)
+    try:
+        _check_draft_vocab_head_in_graph(draft_mod, device)
+    finally:
+        draft_mod.get_tp_group, draft_mod.get_parallel = saved
+
+
+def _check_draft_vocab_head_in_graph(draft_mod, device: str) -> None:
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    weight = torch.randn(8192, 256, device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(3 * 16, 256, device=device, dtype=torch.bfloat16)
+    slots = hidden.view(3, 16, -1)[:, 1:].reshape(45, -1)
+    for fp8 in (False, True):
+        head = draft_mod.GreedyDraftHead(SimpleNamespace(weight=weight), 16, max_bs=3, fp8=fp8, vocab_rows=1024)
+        assert head.vocab is not None and (head.fp8 is not None) == fp8
+        out = torch.zeros(45, dtype=torch.int64, device=device)
+        head(hidden)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(head(hidden))
+        graph.replay()
+        first = out.clone()
+        assert first.max() < 1024 and torch.equal(first, head(hidden))
+        head.observe(torch.arange(4096, 8192, 4, device=device).repeat(2))  # 2,048 counted: due
+        head.maybe_rebuild()
+        ids = head.vocab.ids
+        assert head.vocab.rebuilds == 1 and ids.min() == 4096
+        graph.replay()
+        assert out.min() >= 4096 and torch.equal(out, head(hidden))
+        if fp8:  # the fp8 copy was refilled from the new rows: its argmax is theirs up to near-ties
+            exact = ids[(slots.float() @ weight[ids].float().T).argmax(-1)]
+            assert (out == exact).float().mean().item() >= 0.8
+        else:
+            assert torch.equal(out, ids[(slots @ weight[ids].T).argmax(-1)])

@@ -416,6 +416,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.width_policy, worker.fallback = CyclingWidths(worker.widths), None
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     worker.pauses = process_pauses()
+    worker.draft_head = SimpleNamespace(vocab=SimpleNamespace(size=32768, rebuilds=3), tp_size=1)
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -431,9 +432,9 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": []}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
-                               "decode_steps": 4, "eager_drafts": 1}
+                               "decode_steps": 4, "eager_drafts": 1, "draft_vocab": {"rows": 32768, "rebuilds": 3}}
     assert state["avg_spec_accept_length"] == 1.5
-    worker.width_policy, worker.widths = None, (16,)
+    worker.width_policy, worker.widths, worker.draft_head.vocab = None, (16,), None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2}}
@@ -600,6 +601,10 @@ def test_width_one_decodes_the_bonus_token_at_its_slot_with_the_tapped_hidden_st
     assert logits_output.next_token_logits.shape == (2, V) and logits_output.hidden_states.shape == (2, 6)
 
 
+# What a whole step asks of the greedy head besides its tokens (drafted here by a stand-in).
+HEAD_WITHOUT_GRAPHS = SimpleNamespace(maybe_rebuild=lambda: None, observe=lambda tokens, checked=False: None)
+
+
 def torch_accept_block(candidates, target_tokens, seq_lens, accept_len, commit_len, bonus, out_tokens, new_seq_lens):
     from sglang_dflash.reference import accept_block
 
@@ -639,6 +644,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
     worker.time_step = lambda width, bs, request_widths=None: None
     worker.fallback, worker.ragged = None, False
+    worker.draft_head = HEAD_WITHOUT_GRAPHS
     worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
     batch.seq_lens = batch.seq_lens.as_subclass(Lens)
     batch.reqs, batch.has_grammar, batch.return_logprob, batch.sampling_info = [None, None], False, False, None
@@ -742,7 +748,7 @@ def fallback_worker(fallback, choose):
     worker.block_size, worker.fallback, worker.widths_logged_at, worker.ragged = 16, fallback, 0, False
     worker.width_policy = WidthPolicy(16, (16, 4, 1))
     worker.width_policy.choose = choose
-    worker.steps_in_flight = deque()
+    worker.steps_in_flight, worker.draft_head = deque(), None
     return worker
 
 
@@ -809,6 +815,7 @@ def test_a_ragged_step_records_and_keeps_the_width_each_request_was_verified_at(
     worker.block_size, worker.ragged, worker.hybrid = B, True, False
     worker.buffers, worker.device = StepBuffers(B, "cpu"), "cpu"
     worker.eager_verifies, worker.decode_steps = Counter(), 0
+    worker.draft_head = HEAD_WITHOUT_GRAPHS
     worker.draft_step = lambda batch, bufs, width: DraftBlock(candidates.clone(), torch.arange(2 * B),
                                                               torch.arange(2 * B), torch.tensor([14, 24]))
     rows = torch.tensor([0, 1]) if per_position else None

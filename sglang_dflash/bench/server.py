@@ -33,6 +33,9 @@ IMPLEMENTATIONS = {
     # the write inside the target's verify graphs).
     "plugin-eager-context": (["--speculative-algorithm", "DFLASH"],
                              {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}),
+    # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
+    "plugin-full-vocab": (["--speculative-algorithm", "DFLASH"],
+                          {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_DRAFT_VOCAB": "full"}),
     # The draft's linears quantised to fp8 at load (SGLang's own flag), each implementation as it
     # takes it: the plugin's draft head reads an fp8 copy of the target's lm_head as well.
     "plugin-fp8": (["--speculative-algorithm", "DFLASH", "--speculative-draft-model-quantization", "fp8"],
@@ -41,8 +44,8 @@ IMPLEMENTATIONS = {
                     {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "adaptive-ragged", "plugin-eager-context", "plugin-fp8",
-                "builtin-fp8")
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "adaptive-ragged", "plugin-eager-context", "plugin-full-vocab",
+                "plugin-fp8", "builtin-fp8")
 
 
 def is_implementation(name: str) -> bool:

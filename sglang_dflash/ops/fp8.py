@@ -32,14 +32,18 @@ class Fp8RowwiseLinear:
 
     def __init__(self, weight: torch.Tensor):
         rows, cols = weight.shape
-        q = torch.empty(rows, cols, dtype=FP8, device=weight.device)
-        scale = torch.empty(rows, 1, dtype=torch.float32, device=weight.device)
-        for start in range(0, rows, _CHUNK_ROWS):
-            q[start : start + _CHUNK_ROWS], scale[start : start + _CHUNK_ROWS] = quantize_rows(
-                weight[start : start + _CHUNK_ROWS]
-            )
-        self.weight_t = q.t()  # column-major [in, out], the layout torch._scaled_mm takes
-        self.scale = scale.view(1, rows)
+        self.q = torch.empty(rows, cols, dtype=FP8, device=weight.device)
+        self.row_scale = torch.empty(rows, 1, dtype=torch.float32, device=weight.device)
+        self.weight_t = self.q.t()  # column-major [in, out], the layout torch._scaled_mm takes
+        self.scale = self.row_scale.view(1, rows)
+        self.refill(weight)
+
+    def refill(self, weight: torch.Tensor) -> None:
+        """Quantise ``weight`` (same shape) into the buffers in place: CUDA graphs keep reading them."""
+        for start in range(0, weight.shape[0], _CHUNK_ROWS):
+            q, s = quantize_rows(weight[start : start + _CHUNK_ROWS])
+            self.q[start : start + _CHUNK_ROWS].copy_(q)
+            self.row_scale[start : start + _CHUNK_ROWS].copy_(s)
 
     @staticmethod
     def eligible(weight: torch.Tensor) -> Optional[str]:
