@@ -2,7 +2,7 @@
 verify (:class:`DraftBlock`), the per-step tensors it is built in (:class:`StepBuffers`), the
 draft's own request table when it attends to a window (:class:`DraftWindow`), and the greedy
 head that turns the draft's hidden states into tokens with the target's lm_head
-(:class:`GreedyDraftHead`)."""
+(:class:`GreedyDraftHead`), over the rows of the tokens served most often (:class:`DraftVocab`)."""
 
 from __future__ import annotations
 
