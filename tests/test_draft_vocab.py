@@ -139,3 +139,15 @@ def test_which_rows_the_switch_asks_for(monkeypatch):
         monkeypatch.setenv(DRAFT_VOCAB_ENV, bad)
         with pytest.raises(DFlashConfigError, match=DRAFT_VOCAB_ENV):
             draft_vocab_rows(49152)
+
+
+def test_a_ranks_rows_come_from_its_own_vocabulary_shard():
+    """TP: this rank holds ids 100..199; tokens of other shards are not counted, and the ids it
+    returns are local rows (the head adds the shard's start)."""
+    shard = torch.randn(100, 8)
+    vocab = draft_mod.DraftVocab(shard, 16, vocab_start=100, sharded=True)
+    vocab.observe(torch.tensor([5, 99, 250, 180, 180, 150] * 60))
+    assert vocab.counts.round().tolist() == [0.0] * 50 + [60.0] + [0.0] * 29 + [120.0] + [0.0] * 19
+    vocab.rebuild()
+    assert vocab.ids.tolist() == list(range(14)) + [50, 80]
+    torch.testing.assert_close(vocab.weight, shard[vocab.ids])
