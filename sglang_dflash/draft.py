@@ -7,6 +7,7 @@ head that turns the draft's hidden states into tokens with the target's lm_head
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -131,13 +132,14 @@ class DraftVocab:
         flat = tokens.reshape(-1)
         if self.vocab_start:
             flat = flat - self.vocab_start
-        if self.ones.numel() < flat.numel():
-            self.ones = torch.ones(2 * flat.numel(), dtype=torch.float32, device=self.counts.device)
-        weight = self.ones[: flat.numel()]
         if self.sharded or checked:  # another rank's token, or none: no count here
             rows = self.counts.shape[0]
             weight = ((flat >= 0) & (flat < rows)).float()
             flat = flat.clamp(0, rows - 1)
+        else:  # the decode step's case: one kernel
+            if self.ones.numel() < flat.numel():
+                self.ones = torch.ones(2 * flat.numel(), dtype=torch.float32, device=self.counts.device)
+            weight = self.ones[: flat.numel()]
         self.counts.index_add_(0, flat, weight)
         self.pending += flat.numel()
 
@@ -176,7 +178,7 @@ class GreedyDraftHead:
         self.out = torch.zeros(max_bs * (block_size - 1), dtype=torch.int64, device=self.weight.device)
         rows = self.weight[: self.vocab_rows]  # padded rows excluded
         self.vocab: Optional[DraftVocab] = None
-        share = -(-vocab_rows // self.tp_size // 16) * 16 if vocab_rows else 0
+        share = math.ceil(vocab_rows / self.tp_size / 16) * 16 if vocab_rows else 0  # a multiple of 16 a rank
         if share and share < self.vocab_rows and torch.is_floating_point(self.weight):
             self.vocab = DraftVocab(rows, share, self.vocab_start, sharded=self.tp_size > 1)
             rows = self.vocab.weight
@@ -189,6 +191,11 @@ class GreedyDraftHead:
                 self.fp8 = Fp8RowwiseLinear(rows)
             elif get_parallel().tp_rank == 0:
                 logger.info("DFLASH draft head stays in %s: %s", self.weight.dtype, why_not)
+
+    @property
+    def rows_read(self) -> Optional[int]:
+        """lm_head rows the head reads over all ranks, when it reads only some."""
+        return None if self.vocab is None else self.vocab.size * self.tp_size
 
     def observe(self, tokens: torch.Tensor, checked: bool = False) -> None:
         """Tokens the target read or verified: what the head's rows follow."""

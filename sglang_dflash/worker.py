@@ -261,10 +261,9 @@ class DFlashWorker(BaseSpecWorker):
             lm_head, self.block_size, max(graphs.bs) if capture else 1, fp8=draft_weights_fp8(self.draft_model),
             vocab_rows=draft_vocab_rows(self.model_runner.model_config.vocab_size),
         )
-        if self.draft_head.vocab is not None and get_parallel().tp_rank == 0:
+        if self.draft_head.rows_read is not None and get_parallel().tp_rank == 0:
             logger.info("DFLASH draft head reads the %d of %d lm_head rows served most often (%s=full for all)",
-                        self.draft_head.vocab.size * self.draft_head.tp_size,
-                        self.model_runner.model_config.vocab_size, DRAFT_VOCAB_ENV)
+                        self.draft_head.rows_read, self.model_runner.model_config.vocab_size, DRAFT_VOCAB_ENV)
         # A quantised lm_head needs its own kernels: leave the head out of the graph then.
         self.head_in_graph = capture and torch.is_floating_point(lm_head.weight)
         if self.head_in_graph:
@@ -295,9 +294,8 @@ class DFlashWorker(BaseSpecWorker):
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
                 "stalls": self.stalls.report(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
-        vocab = self.draft_head.vocab if self.draft_head is not None else None
-        if vocab is not None:
-            info["draft_vocab"] = {"rows": vocab.size * self.draft_head.tp_size, "rebuilds": vocab.rebuilds}
+        if self.draft_head is not None and self.draft_head.rows_read is not None:
+            info["draft_vocab"] = {"rows": self.draft_head.rows_read, "rebuilds": self.draft_head.vocab.rebuilds}
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}

@@ -117,9 +117,11 @@ def test_plain_decodings_tokens_whatever_rows_the_head_reads():
             accepted += got.accept_lengths
         return sum(accepted) / len(accepted)
 
-    full = run(head_over(target.lm_head, None, block))
+    every_row = head_over(target.lm_head, None, block)
+    assert every_row.vocab is None and every_row.rows_read is None
+    full = run(every_row)
     lowest = head_over(target.lm_head, 32, block)
-    assert lowest.vocab is not None
+    assert lowest.vocab is not None and lowest.rows_read == 32
     at_lowest = run(lowest)
     for truth in truths:
         lowest.observe(torch.tensor(truth * 8))

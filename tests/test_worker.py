@@ -416,7 +416,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.width_policy, worker.fallback = CyclingWidths(worker.widths), None
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     worker.pauses = process_pauses()
-    worker.draft_head = SimpleNamespace(vocab=SimpleNamespace(size=32768, rebuilds=3), tp_size=1)
+    worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -434,7 +434,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "draft_vocab": {"rows": 32768, "rebuilds": 3}}
     assert state["avg_spec_accept_length"] == 1.5
-    worker.width_policy, worker.widths, worker.draft_head.vocab = None, (16,), None
+    worker.width_policy, worker.widths = None, (16,)
+    worker.draft_head.rows_read = worker.draft_head.vocab = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2}}
