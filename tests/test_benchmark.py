@@ -739,6 +739,60 @@ def test_an_interleaved_sweep_keeps_each_finished_level_if_cut_off(tmp_path, cha
     assert [(r["label"], r["concurrency"]) for r in seen["rows"]] == [("ar", 1)]
 
 
+def test_a_time_budget_keeps_the_waves_finished_and_skips_the_later_levels(tmp_path, chat_model, data_dir,
+                                                                             monkeypatch, capsys):
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [sys.executable, FAKE, "--port", str(port)])
+    timed, run = [], sweep.run_requests
+    monkeypatch.setattr(sweep, "run_requests",
+                        lambda url, work, conc, desc="": (" wave " in desc and timed.append(desc)) or
+                        run(url, work, conc, desc))
+    monkeypatch.setattr(sweep.TimeBudget, "spent", lambda self: len(timed) >= 4)  # after two waves of each
+    assert sweep.main(["--model-path", chat_model, "--impls", "ar,plugin@4", "--draft-model-path", "d",
+                       "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
+                       "--concurrencies", "1,2", "--time-budget", "600", "--output-dir", str(tmp_path),
+                       "--startup-timeout", "30"]) == 0
+    res = json.load(open(tmp_path / "results.json"))
+    assert [(r["label"], r["concurrency"], len(r["wave_tok_s"]), r["requests"]) for r in res["rows"]] == \
+        [("ar", 1, 2, 2), ("plugin-b4", 1, 2, 2)]
+    assert all(r["time_budget_cut"] == {"waves_run": 2, "waves_planned": 3} for r in res["rows"])
+    assert res["settings"]["time_budget_outcome"] == {
+        "seconds": 600.0, "servers_not_started": [],
+        "levels_cut": [{"level": "gsm8k c1", "waves_run": 2, "waves_planned": 3}], "levels_not_run": ["gsm8k c2"]}
+    out = capsys.readouterr().out
+    assert "[sweep] time budget spent: gsm8k c1 keeps 2 of 3 waves" in out
+    assert "[sweep] time budget spent: gsm8k c2 not run" in out
+
+
+def test_a_time_budget_does_not_start_a_server_it_could_not_measure(tmp_path, chat_model, data_dir, monkeypatch):
+    now = [0.0]
+    budget = sweep.TimeBudget(540, clock=lambda: now[0])
+    budget.started(165)  # a fresh machine's first start
+    now[0] = 100
+    assert budget.refuse_start("adaptive") is None  # 275 s would be left: over a third
+    now[0] = 345
+    assert "30 s of the 540 s time budget would be left" in budget.refuse_start("builtin")
+    assert budget.outcome["servers_not_started"] == ["builtin"]
+
+    monkeypatch.setattr(ServerSpec, "command", lambda self, port: [sys.executable, FAKE, "--port", str(port)])
+    start = sweep.start_or_report
+    monkeypatch.setattr(sweep, "start_or_report", lambda *a, **k: start(*a, **k) and 500.0)  # "took 500 s"
+    rc = sweep.main(["--model-path", chat_model, "--impls", "ar,plugin@4", "--draft-model-path", "d",
+                     "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "1",
+                     "--concurrencies", "1", "--time-budget", "600", "--output-dir", str(tmp_path),
+                     "--startup-timeout", "30"])
+    res = json.load(open(tmp_path / "results.json"))
+    assert rc == 1 and [r["label"] for r in res["rows"]] == ["ar"]  # the one up is still measured
+    assert [f["label"] for f in res["server_failures"]] == ["plugin-b4"]
+    assert res["server_failures"][0]["error"].startswith("not started: after the slowest start so far (500 s)")
+    assert not (tmp_path / "server-plugin-b4.log").exists()  # never launched
+
+
+def test_a_time_budget_needs_interleaved_servers(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--model-path", "m", "--impls", "ar", "--time-budget", "60"])
+    assert "--time-budget needs --interleave" in capsys.readouterr().err
+
+
 def test_servers_stop_together_within_one_grace_window(tmp_path, monkeypatch):
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                       "print('up', flush=True); time.sleep(60)"]

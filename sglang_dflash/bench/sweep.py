@@ -129,6 +129,11 @@ def build_parser():
     ap.add_argument("--pin-cpus", action="store_true",
                     help="with --interleave: each server on its own equal set of CPUs, the client on the rest; "
                          "the servers trade their sets wave by wave")
+    ap.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="with --interleave: what the whole sweep may take (below the command's own time limit). "
+                         "A server after the first starts only if the slowest start so far would still leave a "
+                         "third of the budget to measure in; once the budget is spent the level under way keeps "
+                         "the waves it finished (time_budget_cut in results.json) and later levels are skipped")
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url (one --impls)")
     ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the running server for --skip-launch")
     ap.add_argument("--output-dir", default="bench-out", help="results.json, report.md, plots")
@@ -183,6 +188,8 @@ def parse_args(argv=None):
         ap.error("--temperature must be >= 0")
     if args.startup_timeout <= 0:
         ap.error("--startup-timeout must be > 0")
+    if args.time_budget is not None and not (args.interleave and args.time_budget > 0):
+        ap.error("--time-budget needs --interleave and a number of seconds > 0")
     if args.tp_size is not None and args.tp_size < 1:
         ap.error("--tp-size must be >= 1")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
@@ -305,10 +312,43 @@ def measure(url: str, spec: ServerSpec, datasets: dict, args) -> list[dict]:
     return rows
 
 
-def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> list[dict]:
+class TimeBudget:
+    """``--time-budget``: the sweep's deadline. A fresh machine's first server start can take
+    minutes (kernel builds, JIT), and a sweep killed by its command's time limit while the last
+    server starts measures nothing at all; this one measures what fits and says what it left out."""
+
+    MEASURE_SHARE = 1 / 3  # of the budget, still left once a later server would be up
+
+    def __init__(self, seconds: float, clock=None):
+        self.seconds, self.clock = seconds, clock or time.monotonic
+        self.deadline = self.clock() + seconds
+        self.slowest_start = 0.0
+        self.outcome = {"seconds": seconds, "servers_not_started": [], "levels_cut": [], "levels_not_run": []}
+
+    def spent(self) -> bool:
+        return self.clock() >= self.deadline
+
+    def started(self, seconds: float) -> None:
+        self.slowest_start = max(self.slowest_start, seconds)
+
+    def refuse_start(self, label: str) -> Optional[str]:
+        """Why ``label`` is not started, or None: the slowest start so far would leave less than
+        :attr:`MEASURE_SHARE` of the budget to measure in."""
+        left = self.deadline - self.clock() - self.slowest_start
+        if left >= self.seconds * self.MEASURE_SHARE:
+            return None
+        self.outcome["servers_not_started"].append(label)
+        return (f"not started: after the slowest start so far ({self.slowest_start:.0f} s) {max(left, 0):.0f} s "
+                f"of the {self.seconds:.0f} s time budget would be left to measure in")
+
+
+def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
+                        budget: Optional[TimeBudget] = None) -> list[dict]:
     """Every level's requests in waves of ``concurrency``; for each wave every server runs it, the
     order rotating by one from wave to wave. Each server's figures add up its own waves.
-    ``on_level(rows)`` runs after each level (results.json then keeps what a cut-off run measured)."""
+    ``on_level(rows)`` runs after each level (results.json then keeps what a cut-off run measured).
+    Once ``budget`` is spent the level under way keeps the waves every server finished, and no
+    later level runs."""
     for server in servers:
         compile_every_level(server.url, server.spec.label, datasets, args.concurrencies)
     # Pinned servers trade CPU slices wave by wave: a slice's cores are not all alike (on one H100
@@ -319,6 +359,10 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
     rows = []
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
+            if budget is not None and budget.spent():
+                print(f"[sweep] time budget spent: {dataset} c{conc} not run", flush=True)
+                budget.outcome["levels_not_run"].append(f"{dataset} c{conc}")
+                continue
             for server in servers:
                 warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
             work = level_workload(payloads, conc, args.waves)
@@ -330,6 +374,8 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
             last = {server.spec.label: host_pauses(server.url) for server in servers}
             slices = {server.spec.label: [] for server in servers}  # the CPU slice (first CPU) of each wave
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
+                if budget is not None and budget.spent():
+                    break
                 if rotate:
                     for i, server in enumerate(servers):
                         cpus = home[(i + k) % len(servers)]
@@ -344,6 +390,14 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
                     last[server.spec.label] = now
                     compiles[server.spec.label].append(compile_count(server, f"{dataset} c{conc} wave {k}",
                                                                      seen))
+            ran = len(waves_run[servers[0].spec.label])  # every server ran the same waves
+            if ran < len(waves):  # only the budget stops a level early
+                print(f"[sweep] time budget spent: {dataset} c{conc} keeps {ran} of {len(waves)} waves", flush=True)
+                if not ran:
+                    budget.outcome["levels_not_run"].append(f"{dataset} c{conc}")
+                    continue
+                budget.outcome["levels_cut"].append(
+                    {"level": f"{dataset} c{conc}", "waves_run": ran, "waves_planned": len(waves)})
             for server in servers:
                 runs = waves_run[server.spec.label]
                 results = [r for wave_results, _ in runs for r in wave_results]
@@ -360,6 +414,8 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None) -> l
                     row["wave_serving_compiles"] = compiles[server.spec.label]
                 if rotate:
                     row["wave_first_cpu"] = slices[server.spec.label]
+                if ran < len(waves):
+                    row["time_budget_cut"] = {"waves_run": ran, "waves_planned": len(waves)}
                 rows.append(row)
             if on_level:
                 on_level(rows)
@@ -435,6 +491,7 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)} "
               f"(the servers trade slices wave by wave)", flush=True)
     sized = "--mem-fraction-static" not in server_flags(args)
+    budget = TimeBudget(args.time_budget) if getattr(args, "time_budget", None) else None
     with contextlib.ExitStack() as stack:
         servers, launched = [], []
         stack.callback(lambda: stop_all(launched))  # together: one drain window, not one per server
@@ -446,30 +503,43 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
                 spec = with_memory_fraction(spec, args.kv_cache_gb, others)
             log = os.path.join(log_dir, f"server-{spec.label}.log")
             server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
+            refused = budget.refuse_start(spec.label) if budget is not None and servers and \
+                not args.start_together else None
+            if refused:
+                print(f"[{spec.label}] {refused}", flush=True)
+                failures.append({"label": spec.label, "error": refused, "log_tail": ""})
+                continue
             launched.append(server)
             if not args.start_together:
-                start_or_report(server, servers, failures)
+                took = start_or_report(server, servers, failures)
+                if budget is not None:
+                    budget.started(took)
         if args.start_together:
             for server in launched:
                 server.launch()
             for server in launched:
                 start_or_report(server, servers, failures, launch=False)
-        rows = measure_interleaved(servers, datasets, args,
-                                   lambda rows: write_results(args, rows, failures)) if servers else []
+        if budget is not None:
+            args.time_budget_outcome = budget.outcome  # written with the settings
+        rows = measure_interleaved(servers, datasets, args, lambda rows: write_results(args, rows, failures),
+                                   budget) if servers else []
     return rows, failures
 
 
-def start_or_report(server: Server, started: list, failures: list, launch: bool = True) -> None:
+def start_or_report(server: Server, started: list, failures: list, launch: bool = True) -> float:
     """Bring ``server`` up and add it to ``started``, or record why it did not start. Says how long
-    the start took: a first start on a fresh machine compiles kernels and can take minutes."""
+    the start took (and returns it): a first start on a fresh machine compiles kernels and can take
+    minutes."""
     began = time.time()
     try:
         server.start() if launch else server.wait_healthy()
     except ServerError as e:
         failures.append(server_failure(server.spec, e))
-        return
-    print(f"[{server.spec.label}] up in {time.time() - began:.0f} s", flush=True)
+        return time.time() - began
+    took = time.time() - began
+    print(f"[{server.spec.label}] up in {took:.0f} s", flush=True)
     started.append(server)
+    return took
 
 
 def weights_bytes(spec: ServerSpec) -> int:
