@@ -491,24 +491,24 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)} "
               f"(the servers trade slices wave by wave)", flush=True)
     sized = "--mem-fraction-static" not in server_flags(args)
-    budget = TimeBudget(args.time_budget) if getattr(args, "time_budget", None) else None
+    budget = TimeBudget(args.time_budget) if args.time_budget else None
     with contextlib.ExitStack() as stack:
         servers, launched = [], []
         stack.callback(lambda: stop_all(launched))  # together: one drain window, not one per server
         # Launched at once, each server loads while its neighbours do: its share must also hold theirs.
         everyone = sum(server_bytes(spec, args.kv_cache_gb) for spec in specs) if args.start_together else 0
         for spec in specs:
+            # Only starts one after another are refused: servers started together are all launched first.
+            refused = budget.refuse_start(spec.label) if budget is not None and servers else None
+            if refused:
+                print(f"[{spec.label}] {refused}", flush=True)
+                failures.append({"label": spec.label, "error": refused, "log_tail": ""})
+                continue
             if sized:
                 others = everyone - server_bytes(spec, args.kv_cache_gb) if everyone else 0
                 spec = with_memory_fraction(spec, args.kv_cache_gb, others)
             log = os.path.join(log_dir, f"server-{spec.label}.log")
             server = Server(spec, log_path=log, timeout_s=args.startup_timeout)
-            refused = budget.refuse_start(spec.label) if budget is not None and servers and \
-                not args.start_together else None
-            if refused:
-                print(f"[{spec.label}] {refused}", flush=True)
-                failures.append({"label": spec.label, "error": refused, "log_tail": ""})
-                continue
             launched.append(server)
             if not args.start_together:
                 took = start_or_report(server, servers, failures)
