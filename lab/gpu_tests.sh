@@ -15,6 +15,8 @@
 #     DFLASH_RUNS=plugin:16 \
 #     DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=$PWD/results/smollm2-draft bash lab/gpu_tests.sh "bfloat16 and greedy"
 #                                # ragged verify (fa3, FA3 staged), width-1 lanes forced, under the same rule
+#   DFLASH_PREFILL_GRAPHS=on bash lab/gpu_tests.sh ...          # prefills from SGLang's default breakable graphs
+#                                # (a number N: captured up to N tokens); the default, off, runs them eagerly
 case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -8,6 +8,7 @@ is rewritten after each stage, so a run cut short still says how far it got.
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
                                 [--widths auto [--width-policy cycle] [--fallback force] [--plain-too]]
                                 [--smollm2 TARGET_DIR --draft DIR --data-dir DIR] [--context-ab 64]
+                                [--prefill-graphs off|on|N]
 
 Two pairs: the tiny one (random weights, about 1.3 tokens a step) and, with ``--smollm2``,
 SmolLM2-135M-Instruct with the shipped draft (about 3.5 a step on gsm8k), whose blocks are mostly
@@ -41,6 +42,14 @@ FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disabl
          "--log-level", "warning", "--dtype", "float32"]
 # SGLang's CUDA rmsnorm has no float32 path; TF32 dots make AR disagree with itself (0.05 nats).
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
+
+
+def server_flags(prefill_graphs="off"):
+    """FLAGS with prefills eager (off), from SGLang's default graphs (on) or from graphs of up to N tokens."""
+    if prefill_graphs == "off":
+        return list(FLAGS)
+    flags = [f for f in FLAGS if f != "--disable-prefill-cuda-graph"]
+    return flags + (["--cuda-graph-max-bs-prefill", prefill_graphs] if prefill_graphs.isdigit() else [])
 
 
 def workload(n, new_tokens, vocab, length=32):
@@ -108,6 +117,9 @@ def main():
                              "fallback on a fixed pattern, whole batches in it every third step)")
     parser.add_argument("--plain-too", action="store_true",
                         help="with --widths: a third server, the plugin at its one width, checked the same way")
+    parser.add_argument("--prefill-graphs", default="off", metavar="off|on|N",
+                        help="prefills eager (off, default), from SGLang's default breakable graphs (on, as a user "
+                             "passing no graph flag gets them), or from graphs of up to N tokens")
     parser.add_argument("--context-ab", type=int, default=0, metavar="N",
                         help="compare the verify steps of N prompts, one at a time, with the draft context "
                              "written in the verify graphs and after the accept (default 0: not run)")
@@ -118,6 +130,9 @@ def main():
         parser.error("--plain-too needs --widths (without them the plugin is already plain)")
     if args.smollm2 and not args.draft:
         parser.error("--smollm2 needs --draft")
+    if args.prefill_graphs not in ("off", "on") and not args.prefill_graphs.isdigit():
+        parser.error(f"--prefill-graphs {args.prefill_graphs}: off, on or a token count")
+    flags = server_flags(args.prefill_graphs)
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     if args.smollm2:
@@ -134,7 +149,8 @@ def main():
         widths["SGLANG_DFLASH_FALLBACK"] = args.fallback
     record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32",
               "pair": "smollm2" if args.smollm2 else "tiny", **widths,
-              "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block, "stage": "start"}
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block,
+              "prefill_graphs": args.prefill_graphs, "stage": "start"}
     path = os.path.join(args.out, "lossless.json")
 
     def save(**kw):
@@ -145,7 +161,7 @@ def main():
     def server(name, env):
         plain = name == "ar"
         spec = ServerSpec("ar" if plain else "plugin", target, None if plain else draft, None if plain else args.block,
-                          FLAGS, {**ENV, **env})
+                          flags, {**ENV, **env})
         return Server(spec, log_path=os.path.join(args.out, f"server-{name}.log"), timeout_s=420)
 
     servers = {"ar": server("ar", {}), "plugin": server("plugin", widths)}
@@ -185,6 +201,8 @@ def main():
     clean = not any(r["greedy_mismatches"] or r["stop_mismatches"] or r["errors"] for r in results)
     if args.context_ab:
         clean = clean and record["context_ab"]["requests_with_other_verify_steps"] == 0 and record["context_ab"]["same_tokens"]
+    if args.prefill_graphs != "off":  # the check covers what it says: prefills replayed from SGLang's graphs
+        clean = clean and bool((plugin_info or {}).get("prefills_in_graphs"))
     kvs = [outs[k][2] for k in checked]
     idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in kvs)
     sys.exit(0 if clean and idle else 1)

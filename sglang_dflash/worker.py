@@ -178,6 +178,7 @@ class DFlashWorker(BaseSpecWorker):
         # Decode steps, and the drafts and verifies among them that ran outside CUDA graphs (each one
         # slows a host-bound server down).
         self.decode_steps, self.eager_drafts = 0, 0
+        self.prefills, self.prefills_in_graphs = 0, 0  # target prefills, and those SGLang replayed from its graphs
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
         self.context_in_graph: Optional[ContextInVerifyGraph] = None
         if context_in_verify_graph():
@@ -292,6 +293,7 @@ class DFlashWorker(BaseSpecWorker):
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
+                "prefills": self.prefills, "prefills_in_graphs": self.prefills_in_graphs,
                 "stalls": self.stalls.report(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         if self.draft_head is not None and self.draft_head.rows_read is not None:
@@ -445,6 +447,8 @@ class DFlashWorker(BaseSpecWorker):
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
         self.output_counts.start(batch.reqs)
         result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        self.prefills += 1
+        self.prefills_in_graphs += bool(getattr(result, "can_run_cuda_graph", False))
         if getattr(batch, "input_ids", None) is not None:
             self.draft_head.observe(batch.input_ids, checked=True)
         result.new_seq_lens = batch.seq_lens

@@ -116,6 +116,14 @@ def test_the_smollm2_workload_keeps_each_questions_ask_and_gives_every_prompt_on
         lp.smollm2_workload(3, 32, CharTokenizer(), questions, keep=8)
 
 
+def test_the_lossless_pair_keeps_sglangs_prefill_graphs_when_asked():
+    lp = load_lossless_pair()
+    assert "--disable-prefill-cuda-graph" in lp.server_flags()
+    on, capped = lp.server_flags("on"), lp.server_flags("4096")
+    assert "--disable-prefill-cuda-graph" not in on + capped and "--cuda-graph-max-bs-prefill" not in on
+    assert capped[-2:] == ["--cuda-graph-max-bs-prefill", "4096"] and "--dtype" in capped
+
+
 def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
     from types import SimpleNamespace as R
     lp = load_lossless_pair()

@@ -376,6 +376,28 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
     assert worker.pauses.serving  # from the first request on, full collections count as serving ones
 
 
+def test_prefills_replayed_from_sglangs_prefill_graphs_are_counted():
+    """SGLang's breakable prefill graphs are on by default (0.5.17-0.5.23); /get_server_info says how
+    many of the target's prefills, which the draft context is written from, ran from them."""
+    from sglang_dflash.worker import DFlashWorker
+
+    written = []
+    worker = object.__new__(DFlashWorker)
+    worker.device, worker.prefills, worker.prefills_in_graphs = "cpu", 0, 0
+    worker.output_counts = SimpleNamespace(start=lambda reqs: None)
+    worker.draft_head = SimpleNamespace(observe=lambda ids, checked: None)
+    worker.write_context_kv = lambda hidden, positions, loc: written.append(positions.tolist())
+    batch = SimpleNamespace(reqs=[], input_ids=None, seq_lens=torch.tensor([5, 2]), prefix_lens=[2, 0],
+                            extend_lens=[3, 2], out_cache_loc=torch.arange(5))
+    for in_graph in (True, False, True):
+        out = SimpleNamespace(logits_output=SimpleNamespace(hidden_states=torch.zeros(5, 4)),
+                              next_token_ids=torch.tensor([7, 8]), can_run_cuda_graph=in_graph)
+        worker._target_worker = SimpleNamespace(forward_batch_generation=lambda batch, capture_hidden_mode: out)
+        assert DFlashWorker.prefill_step(worker, batch, None) is out and out.logits_output.hidden_states is None
+    assert (worker.prefills, worker.prefills_in_graphs) == (3, 2)
+    assert written[-1] == [2, 3, 4, 0, 1]  # each request's new tokens after its cached prefix
+
+
 def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     from collections import deque
 
@@ -415,6 +437,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.block_size, worker.widths = 16, (16, 4, 1)
     worker.width_policy, worker.fallback = CyclingWidths(worker.widths), None
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
+    worker.prefills, worker.prefills_in_graphs = 3, 2
     worker.pauses = process_pauses()
     worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
     for _ in range(4):
@@ -432,13 +455,15 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": []}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
-                               "decode_steps": 4, "eager_drafts": 1, "draft_vocab": {"rows": 32768, "rebuilds": 3}}
+                               "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
+                               "draft_vocab": {"rows": 32768, "rebuilds": 3}}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
-                                                  "eager_drafts": 1, "eager_verifies": {"1": 2}}
+                                                  "eager_drafts": 1, "eager_verifies": {"1": 2},
+                                                  "prefills": 3, "prefills_in_graphs": 2}
     monkeypatch.setattr(integration, "_serving", False)
     assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state
 
@@ -862,6 +887,7 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
     worker = fallback_worker(ForcedFallback(), lambda bs: 16)
     worker.widths, worker.pauses = (16, 4, 1), process_pauses()
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter(), 3, 0
+    worker.prefills = worker.prefills_in_graphs = 0
     batch = SimpleNamespace(reqs=[SimpleNamespace(rid=r) for r in "abc"])
     for _ in range(3):
         DFlashWorker.choose_widths(worker, batch, 3)

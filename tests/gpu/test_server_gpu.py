@@ -18,7 +18,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from sglang_dflash.bench.client import kv_loads, post_json, run_requests
+from sglang_dflash.bench.client import kv_loads, post_json, run_requests, server_info
 from sglang_dflash.bench.server import Server, ServerSpec
 from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie
 
@@ -47,8 +47,16 @@ TP_SIZE = int(os.environ.get("DFLASH_TP_SIZE", 1))
 # "SGLANG_DFLASH_WIDTHS=auto,SGLANG_DFLASH_RAGGED=1" check a backend's or a mode's plugin against AR.
 BACKEND = os.environ.get("DFLASH_ATTENTION_BACKEND", "triton")
 PLUGIN_ENV = dict(kv.split("=", 1) for kv in os.environ.get("DFLASH_PLUGIN_ENV", "").split(",") if kv)
+# DFLASH_PREFILL_GRAPHS: "off" (default) runs every prefill eagerly; "on" keeps SGLang's own default
+# (breakable prefill graphs on CUDA, 0.5.17-0.5.23), as a user who passes no graph flag runs it; a
+# number N captures prefills of up to N tokens (shorter capture, larger prefills run eagerly).
+PREFILL_GRAPHS = os.environ.get("DFLASH_PREFILL_GRAPHS", "off")
+if PREFILL_GRAPHS not in ("off", "on") and not PREFILL_GRAPHS.isdigit():
+    raise ValueError(f"DFLASH_PREFILL_GRAPHS={PREFILL_GRAPHS!r}: off, on or a token count")
+PREFILL_FLAGS = {"off": ["--disable-prefill-cuda-graph"], "on": []}.get(
+    PREFILL_GRAPHS, ["--cuda-graph-max-bs-prefill", PREFILL_GRAPHS])
 # Spelled the way every release from 0.5.17 takes them (0.5.20 dropped --disable-piecewise-cuda-graph).
-COMMON = ["--attention-backend", BACKEND, "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+COMMON = ["--attention-backend", BACKEND, "--grammar-backend", "none", *PREFILL_FLAGS,
           "--cuda-graph-max-bs-decode", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
           "--log-level", "warning", "--tp-size", str(TP_SIZE)]
 
@@ -138,6 +146,8 @@ def collect(impl, dtype, block=16, extra=()):
                   "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.95}}
         out["sampling"], _ = run_requests(server.url, [sample] * 400, 64)
         out["loads_after"] = kv_loads(server.url)
+        dflash = server_info(server.url).get("dflash") or {}
+        out["prefills"] = {k: dflash[k] for k in ("prefills", "prefills_in_graphs") if k in dflash}
     return out
 
 
@@ -232,7 +242,7 @@ def ids(results):
 def save(name, payload):
     """The evidence, with the backend and the plugin's environment it was taken under."""
     with open(os.path.join(RESULTS, name), "w") as f:
-        json.dump({"attention_backend": BACKEND, "plugin_env": PLUGIN_ENV, **payload}, f, indent=1)
+        json.dump({"attention_backend": BACKEND, "prefill_graphs": PREFILL_GRAPHS, "plugin_env": PLUGIN_ENV, **payload}, f, indent=1)
 
 
 def first_divergence(a, b):
@@ -270,7 +280,7 @@ def test_greedy_and_stops_match_ar_up_to_near_ties(dtype):
             "greedy_mismatches": sum(r["workload"] == "greedy" for r in rows),
             "stop_mismatches": sum(r["workload"] == "stops" for r in rows),
             "off_near_tie": sum(not r["near_tie"] for r in rows),
-            "accept_length": toks / max(verify, 1), "kv_after": out["loads_after"],
+            "accept_length": toks / max(verify, 1), "kv_after": out["loads_after"], **out["prefills"],
         }
     save(f"lossless_{dtype}{f'_tp{TP_SIZE}' if TP_SIZE > 1 else ''}.json", {
         "tp_size": TP_SIZE, "target": tiny_pair()[0], "draft": tiny_pair()[1],
@@ -283,6 +293,8 @@ def test_greedy_and_stops_match_ar_up_to_near_ties(dtype):
             continue  # calibration only: the built-in's numerics are reported, not judged
         off = [r for r in rows if not r["near_tie"]]
         assert not off, (run, off[:5])
+        if PREFILL_GRAPHS != "off":  # the check covers what it says: prefills replayed from SGLang's graphs
+            assert runs[run]["prefills"]["prefills_in_graphs"] > 0, runs[run]["prefills"]
         for a, b in zip(runs[run]["stops"], ar_out["stops"]):
             if a.output_ids == b.output_ids:
                 assert a.meta.get("finish_reason") == b.meta.get("finish_reason")
