@@ -10,7 +10,7 @@
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps;
 # LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
 # both servers over the same context lengths; steady mode starts each trace at a context of its own).
-# PREFILL_GRAPHS=N: prefills from SGLang's breakable graphs (its default) up to N tokens, not eagerly.
+# PREFILL_GRAPHS=N: prefills from SGLang's breakable graphs (its default) up to N tokens (default 4096); off: eagerly.
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 # BUDGET=SECONDS (bench): --time-budget, set 30-60 s below the call's limit: a later server starts only if
 # time to measure is left after it, and a level cut by the budget keeps the waves it finished.
@@ -20,16 +20,15 @@ mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
 version=${SGLANG_VERSION:-0.5.23}
 cd "$(dirname "$0")/.."
 source lab/gpu_setup.sh "$version" || exit 1
-# Prefill graphs off (their default capture, up to 8192 tokens, takes minutes at this size) unless
-# PREFILL_GRAPHS=N: SGLang's default breakable prefill graphs, captured up to N tokens (4096 holds a
-# c32 wave of 128-token prompts). Decode graphs up to GRAPH_BS.
+# Prefills from SGLang's breakable prefill graphs, its default, captured up to PREFILL_GRAPHS tokens
+# (default 4096: a c32 wave of 128-token prompts; SGLang's own 8192 takes minutes at this size), or
+# eagerly with PREFILL_GRAPHS=off (every rig run before session 28). Decode graphs up to GRAPH_BS.
 case $version in
     0.5.17|0.5.18|0.5.19) graphs="--disable-piecewise-cuda-graph --cuda-graph-max-bs ${GRAPH_BS:-32}" ;;
     *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode ${GRAPH_BS:-32}" ;;
 esac
-if [ -n "${PREFILL_GRAPHS:-}" ]; then
-    graphs="--cuda-graph-max-bs-prefill $PREFILL_GRAPHS ${graphs#--disable-* }"
-fi
+prefill_graphs=${PREFILL_GRAPHS:-4096}
+[ "$prefill_graphs" = off ] || graphs="--cuda-graph-max-bs-prefill $prefill_graphs ${graphs#--disable-* }"
 flags="--attention-backend $backend $graphs --log-level warning ${EXTRA_FLAGS:-}"
 # SGLang caps a speculative server at 48 running requests; beyond that every level's servers must
 # run all their requests, or DFLASH runs c64 in two rounds where plain decoding runs one.
