@@ -33,10 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_dflash import compat
 from sglang_dflash.bench.client import kv_loads, run_requests, server_info
-from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all
+from sglang_dflash.bench.server import (Server, ServerSpec, exit_on_sigterm, prefill_graph_flags,
+                                        start_together, stop_all)
 from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
-FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none",
          "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",
          "--max-running-requests", "64",
          "--log-level", "warning", "--dtype", "float32"]
@@ -46,10 +47,7 @@ ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 def server_flags(prefill_graphs="off"):
     """FLAGS with prefills eager (off), from SGLang's default graphs (on) or from graphs of up to N tokens."""
-    if prefill_graphs == "off":
-        return list(FLAGS)
-    flags = [f for f in FLAGS if f != "--disable-prefill-cuda-graph"]
-    return flags + (["--cuda-graph-max-bs-prefill", prefill_graphs] if prefill_graphs.isdigit() else [])
+    return FLAGS + prefill_graph_flags(prefill_graphs, "--prefill-graphs")
 
 
 def workload(n, new_tokens, vocab, length=32):
@@ -130,9 +128,10 @@ def main():
         parser.error("--plain-too needs --widths (without them the plugin is already plain)")
     if args.smollm2 and not args.draft:
         parser.error("--smollm2 needs --draft")
-    if args.prefill_graphs not in ("off", "on") and not args.prefill_graphs.isdigit():
-        parser.error(f"--prefill-graphs {args.prefill_graphs}: off, on or a token count")
-    flags = server_flags(args.prefill_graphs)
+    try:
+        flags = server_flags(args.prefill_graphs)
+    except ValueError as e:
+        parser.error(str(e))
     exit_on_sigterm()
     os.makedirs(args.out, exist_ok=True)
     if args.smollm2:

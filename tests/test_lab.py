@@ -122,6 +122,8 @@ def test_the_lossless_pair_keeps_sglangs_prefill_graphs_when_asked():
     on, capped = lp.server_flags("on"), lp.server_flags("4096")
     assert "--disable-prefill-cuda-graph" not in on + capped and "--cuda-graph-max-bs-prefill" not in on
     assert capped[-2:] == ["--cuda-graph-max-bs-prefill", "4096"] and "--dtype" in capped
+    with pytest.raises(ValueError, match="--prefill-graphs 'all'"):
+        lp.server_flags("all")
 
 
 def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():

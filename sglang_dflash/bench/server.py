@@ -116,6 +116,19 @@ def startup_reason(log_tail: str) -> str:
     return errors[-1] if errors else ""
 
 
+def prefill_graph_flags(mode: str, name: str = "prefill graphs") -> list[str]:
+    """Server flags for prefills run eagerly (``off``), from SGLang's default breakable prefill graphs
+    (``on``, what a user passing no graph flag gets on 0.5.17-0.5.23), or from graphs captured up to
+    ``N`` tokens; ValueError, naming ``name`` (the option or variable it came from), for anything else."""
+    if mode == "off":
+        return ["--disable-prefill-cuda-graph"]
+    if mode == "on":
+        return []
+    if mode.isdigit():
+        return ["--cuda-graph-max-bs-prefill", mode]
+    raise ValueError(f"{name} {mode!r}: off, on or a token count")
+
+
 def checkpoint_bytes(path: Optional[str]) -> int:
     """Bytes of a local checkpoint's weight files (0 for a hub id or no path)."""
     if not path or not os.path.isdir(path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from sglang_dflash.bench.client import kv_loads, post_json, run_requests, server_info
-from sglang_dflash.bench.server import Server, ServerSpec
+from sglang_dflash.bench.server import Server, ServerSpec, prefill_graph_flags
 from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie
 
 pytestmark = pytest.mark.gpu
@@ -51,10 +51,7 @@ PLUGIN_ENV = dict(kv.split("=", 1) for kv in os.environ.get("DFLASH_PLUGIN_ENV",
 # (breakable prefill graphs on CUDA, 0.5.17-0.5.23), as a user who passes no graph flag runs it; a
 # number N captures prefills of up to N tokens (shorter capture, larger prefills run eagerly).
 PREFILL_GRAPHS = os.environ.get("DFLASH_PREFILL_GRAPHS", "off")
-if PREFILL_GRAPHS not in ("off", "on") and not PREFILL_GRAPHS.isdigit():
-    raise ValueError(f"DFLASH_PREFILL_GRAPHS={PREFILL_GRAPHS!r}: off, on or a token count")
-PREFILL_FLAGS = {"off": ["--disable-prefill-cuda-graph"], "on": []}.get(
-    PREFILL_GRAPHS, ["--cuda-graph-max-bs-prefill", PREFILL_GRAPHS])
+PREFILL_FLAGS = prefill_graph_flags(PREFILL_GRAPHS, "DFLASH_PREFILL_GRAPHS")
 # Spelled the way every release from 0.5.17 takes them (0.5.20 dropped --disable-piecewise-cuda-graph).
 COMMON = ["--attention-backend", BACKEND, "--grammar-backend", "none", *PREFILL_FLAGS,
           "--cuda-graph-max-bs-decode", "32", "--mem-fraction-static", "0.3", "--max-running-requests", "64",
