@@ -328,6 +328,10 @@ class TimeBudget:
     def spent(self) -> bool:
         return self.clock() >= self.deadline
 
+    def skip_level(self, level: str, why: str = "not run") -> None:
+        print(f"[sweep] time budget spent: {level} {why}", flush=True)
+        self.outcome["levels_not_run"].append(level)
+
     def started(self, seconds: float) -> None:
         self.slowest_start = max(self.slowest_start, seconds)
 
@@ -360,8 +364,7 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
             if budget is not None and budget.spent():
-                print(f"[sweep] time budget spent: {dataset} c{conc} not run", flush=True)
-                budget.outcome["levels_not_run"].append(f"{dataset} c{conc}")
+                budget.skip_level(f"{dataset} c{conc}")
                 continue
             for server in servers:
                 warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
@@ -392,10 +395,10 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
                                                                      seen))
             ran = len(waves_run[servers[0].spec.label])  # every server ran the same waves
             if ran < len(waves):  # only the budget stops a level early
-                print(f"[sweep] time budget spent: {dataset} c{conc} keeps {ran} of {len(waves)} waves", flush=True)
                 if not ran:
-                    budget.outcome["levels_not_run"].append(f"{dataset} c{conc}")
+                    budget.skip_level(f"{dataset} c{conc}", f"keeps 0 of {len(waves)} waves")
                     continue
+                print(f"[sweep] time budget spent: {dataset} c{conc} keeps {ran} of {len(waves)} waves", flush=True)
                 budget.outcome["levels_cut"].append(
                     {"level": f"{dataset} c{conc}", "waves_run": ran, "waves_planned": len(waves)})
             for server in servers:
