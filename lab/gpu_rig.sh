@@ -5,7 +5,8 @@
 #   bash lab/gpu_rig.sh bench WEIGHTS BACKEND OUTDIR     ar, plugin and built-in interleaved, c1/c8/c32
 # WEIGHTS: zero (every draft accepted) or random (tau ~ 1); BACKEND: fa3, triton or flashinfer.
 # SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES,
-# CONCURRENCIES and GRAPH_BS override the defaults (ar,plugin,builtin; 24; 1,8,32; 32); EXTRA_FLAGS
+# CONCURRENCIES, GRAPH_BS and KV_GB override the defaults (ar,plugin,builtin; 24; 1,8,32; 32; 4 GiB of KV
+# a server, 6 above c48); the plugin verifies adaptive widths unless IMPLS names plugin-fixed; EXTRA_FLAGS
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps;
 # LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
@@ -34,6 +35,10 @@ flags="--attention-backend $backend $graphs --log-level warning ${EXTRA_FLAGS:-}
 # run all their requests, or DFLASH runs c64 in two rounds where plain decoding runs one.
 [ "${GRAPH_BS:-32}" -gt 48 ] && flags+=" --max-running-requests $GRAPH_BS"
 concs=${CONCURRENCIES:-1,8,32}
+# Each server's KV pool: 4 GiB holds 32 rig requests (128 + 256 tokens) but not 64 (23,380 of 24,576
+# tokens on a DFLASH server), so a level above 48 gets 6 GiB; KV_GB overrides.
+top=$(tr , '\n' <<< "$concs" | sort -n | tail -1)
+kv_gb=${KV_GB:-$([ "$top" -gt 48 ] && echo 6 || echo 4)}
 mkdir -p "$out"
 case $mode in
     profile)
@@ -46,6 +51,6 @@ case $mode in
         python3 -m sglang_dflash.bench.sweep --rig "$weights" --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
             --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens 256 \
             $([ "${PIN:-0}" = 1 ] && echo --pin-cpus) ${BUDGET:+--time-budget $BUDGET} \
-            --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
+            --kv-cache-gb "$kv_gb" --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
     *) echo "gpu_rig.sh: unknown mode $mode (profile or bench)" >&2; exit 2 ;;
 esac

@@ -969,3 +969,15 @@ def test_pinned_servers_trade_cpu_slices_wave_by_wave(tmp_path, chat_model, data
                     ("ar", first), ("plugin", second)]
     rows = {r["label"]: r for r in json.load(open(tmp_path / "results.json"))["rows"]}
     assert rows["ar"]["wave_first_cpu"] == [0, 3, 0] and rows["plugin"]["wave_first_cpu"] == [3, 0, 3]
+
+
+def test_a_level_whose_requests_outgrow_the_kv_pool_is_named():
+    """Session 29: 64 rig requests of 128 + 256 tokens need 24,576 slots; a DFLASH server with a 4 GiB
+    pool held 23,380, so one wave's last requests waited seconds for their first token."""
+    from sglang_dflash.bench.client import RequestResult
+    from sglang_dflash.bench.sweep import kv_pool_short
+
+    done = [RequestResult(ok=True, completion_tokens=256, meta={"prompt_tokens": 128}) for _ in range(64)]
+    failed = [RequestResult(ok=False, completion_tokens=0)]
+    assert kv_pool_short(done + failed, 64, 23380) == {"pool": 23380, "needed": 24576}
+    assert kv_pool_short(done, 32, 23380) is None and kv_pool_short(done, 64, None) is None

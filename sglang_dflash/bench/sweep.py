@@ -285,6 +285,15 @@ def compile_count(server, where: str, seen: dict) -> list:
     return [len(found), round(sum(t for _, t in found), 2)]
 
 
+def kv_pool_short(results: list, conc: int, pool_tokens: Optional[int]) -> Optional[dict]:
+    """``{pool, needed}`` when ``conc`` of the level's longest requests (prompt and output, as
+    SGLang counted them) would not fit the KV pool at once, else None."""
+    lengths = sorted((int(r.meta.get("prompt_tokens") or 0) + r.completion_tokens for r in results if r.ok),
+                     reverse=True)
+    needed = sum(lengths[:conc])
+    return {"pool": pool_tokens, "needed": needed} if pool_tokens and needed > pool_tokens else None
+
+
 def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list, wall: float) -> dict:
     row = {"impl": spec.impl, "label": spec.label, "dataset": dataset, "concurrency": conc, **summarize(results, wall)}
     # In workload order, so a request can be set beside another implementation's or a reference run's.
@@ -294,6 +303,12 @@ def level_row(url: str, spec: ServerSpec, dataset: str, conc: int, results: list
         row["ttft_parts_ms"] = parts
     row["server_after"] = server_info(url)
     row["kv_after"] = kv_loads(url)
+    short = kv_pool_short(results, conc, row["kv_after"].get("max_total_num_tokens"))
+    if short:
+        row["kv_pool_short"] = short
+        print(f"[{spec.label}] {dataset} c={conc}: the KV pool holds {short['pool']} tokens, fewer than "
+              f"{short['needed']} for {conc} of this level's longest requests: some waited for room, and their "
+              "first tokens count the wait (raise --kv-cache-gb)", flush=True)
     acc = f" accept={row['accept_length']:.2f}" if row["accept_length"] else ""
     print(f"[{spec.label}] {dataset} c={conc} n={row['requests']} tok/s={row['output_tok_s']:.1f}{acc} "
           f"errors={row['errors']}", flush=True)
