@@ -22,8 +22,10 @@ FUSED_CONTEXT_KV_ENV = "SGLANG_DFLASH_FUSED_CONTEXT_KV"  # 0 = draft context K/V
 # 0 = each step's draft context K/V written by eager launches after the accept, not inside the
 # target's verify CUDA graphs (A/B runs).
 CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
-# Experimental, off unless set: the verify widths a step may choose ("auto": B, B/2, ..., 1; or a
-# list holding B, e.g. "16,4,1"), and how ("throughput", the default, or "cycle": the next width
+# The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
+# the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
+# a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
+# at launch). And how a width is chosen: "throughput" (the default) or "cycle" (the next width
 # every step, for lossless checks across switches).
 WIDTHS_ENV = "SGLANG_DFLASH_WIDTHS"
 WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
@@ -58,23 +60,40 @@ def context_in_verify_graph() -> bool:
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:
-    """The widths a step may verify, widest first; ``(block_size,)`` (a fixed block) unless
-    :data:`WIDTHS_ENV` asks for more."""
+    """The widths a step may verify, widest first: every candidate width (adaptive) unless
+    :data:`WIDTHS_ENV` names others; ``(block_size,)`` for ``fixed``."""
     text = os.environ.get(WIDTHS_ENV, "").strip().lower()
-    if not text:
+    if text == "fixed":
         return (block_size,)
-    if text == "auto":
+    if text in ("", "auto"):
         from .adaptive import candidate_widths
 
         return candidate_widths(block_size)
     try:
         widths = {int(w) for w in text.split(",") if w.strip()}
     except ValueError:
-        raise DFlashConfigError(WIDTHS_ENV, f"{text!r} is not 'auto' or a comma list of widths") from None
+        raise DFlashConfigError(WIDTHS_ENV, f"{text!r} is not 'auto', 'fixed' or a comma list of widths") from None
     if block_size not in widths or not all(1 <= w <= block_size for w in widths):
         raise DFlashConfigError(WIDTHS_ENV, f"{text!r}: widths lie in 1..{block_size} and include {block_size} "
                                             "(--speculative-num-draft-tokens)")
     return tuple(sorted(widths, reverse=True))
+
+
+def widths_by_default() -> bool:
+    """Nothing names the widths: adaptive gives way to the fixed block where it cannot serve,
+    instead of stopping the server."""
+    return not os.environ.get(WIDTHS_ENV, "").strip()
+
+
+def fix_block_named_by_flag(args) -> bool:
+    """A block the user names (``--speculative-num-draft-tokens`` or ``--speculative-dflash-block-size``)
+    is the one width, unless :data:`WIDTHS_ENV` says otherwise. Set in the launching process, which
+    SGLang's scheduler processes inherit. True if it fixed the block."""
+    named = args.speculative_num_draft_tokens is not None or args.speculative_dflash_block_size is not None
+    if named and widths_by_default():
+        os.environ[WIDTHS_ENV] = "fixed"
+        return True
+    return False
 
 
 def width_policy_kind() -> str:

@@ -180,7 +180,7 @@ def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
 
 def handle_dflash_args_hook(original, server_args):
     """Validate the draft checkpoint and the flags, then let SGLang apply its DFLASH defaults."""
-    from .config import DFlashConfigError, validate_server_args
+    from .config import DFlashConfigError, fix_block_named_by_flag, validate_server_args
 
     release = _release()
     reason = _builtin_for_this_server(server_args)
@@ -192,6 +192,7 @@ def handle_dflash_args_hook(original, server_args):
         # One line and a non-zero exit, before any process or GPU memory is set up.
         raise SystemExit(f"sglang-dflash: {e}") from None
     view = release.resolving(server_args)
+    fix_block_named_by_flag(view)
     if view.speculative_num_draft_tokens is None and view.speculative_dflash_block_size is None:
         release.declare(server_args, speculative_num_draft_tokens=cfg.block_size)
     original(server_args)

@@ -20,7 +20,7 @@ Hybrid targets (gated delta net / mamba layers): the verify leaves the recurrent
 block step aside; :meth:`DFlashWorker.commit_recurrent_state` keeps the last committed step's and,
 with the radix cache's ``extra_buffer`` strategy, snapshots the step at a crossed track boundary.
 
-Verify width (experimental, ``SGLANG_DFLASH_WIDTHS``): a step may verify only the first w of the
+Verify width (adaptive by default; ``SGLANG_DFLASH_WIDTHS``): a step may verify only the first w of the
 B candidates (w = 1: the bonus alone, no draft pass), on a target attention backend and verify
 graphs built for w (:meth:`DFlashWorker.target_at_width`). On triton and FA3, width 1 is a plain
 DECODE forward with DECODE graphs (:meth:`DFlashWorker.decode_step`). The width policy
@@ -63,8 +63,9 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import make_fallback, make_width_policy
-from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
-                     draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, width_policy_kind)
+from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
+                     draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, widths_by_default,
+                     width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
@@ -158,10 +159,13 @@ class DFlashWorker(BaseSpecWorker):
         self.output_counts = OutputCounts(target_config.vocab_size, self.device, self.release.min_new_tokens_stop_ids)
         self.head_in_graph = False
         self.widths = verify_widths(self.block_size)
-        self.width_policy = None  # a fixed block unless SGLANG_DFLASH_WIDTHS asks for more
+        self.width_policy = None  # None: a fixed block
         if len(self.widths) > 1:
-            self._check_adaptive_width_serves(server_args)
-            self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
+            why_not = self._adaptive_width_unserved(server_args)
+            if why_not is not None:
+                self._fix_the_block(why_not)
+            else:
+                self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
         # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))
         self.widths_logged_at = 0
@@ -197,13 +201,22 @@ class DFlashWorker(BaseSpecWorker):
                 bundle.resolved_attention_backend,
             )
 
-    def _check_adaptive_width_serves(self, server_args) -> None:
-        """Adaptive width (experimental) runs where each rank may choose alone, on plain targets."""
+    def _adaptive_width_unserved(self, server_args) -> Optional[str]:
+        """Why a step cannot choose its width here, or None: each rank must be free to choose alone,
+        and a hybrid target's recurrent state is committed at the full block only."""
         if get_parallel().tp_size > 1 or self.release.dp_attention(server_args):
-            raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "needs --tp-size 1 without DP attention: each rank "
-                                                             "would time its steps and choose its own width")
+            return "needs --tp-size 1 without DP attention: each rank would time its steps and choose its own width"
         if self.hybrid:
-            raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "not with a hybrid (recurrent) target yet")
+            return "not with a hybrid (recurrent) target yet"
+        return None
+
+    def _fix_the_block(self, why: str) -> None:
+        """Widths asked for by name stop the server; by default the block is fixed instead."""
+        if not widths_by_default():
+            raise DFlashConfigError(WIDTHS_ENV, why)
+        if get_parallel().tp_rank == 0:
+            logger.info("DFLASH verify width fixed at %d (%s=auto %s)", self.block_size, WIDTHS_ENV, why)
+        self.widths, self.width_policy = (self.block_size,), None
 
     def _resolve_mask_token_id(self) -> int:
         if self.config.mask_token_id is not None:
@@ -270,6 +283,11 @@ class DFlashWorker(BaseSpecWorker):
         if self.head_in_graph:
             self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+        fa3 = "FlashAttention" in type(self.model_runner.attn_backend).__name__
+        if self.width_policy is not None and not self.ragged and not capture and fa3:
+            # FA3's eager verify assumes the width its backend was built with.
+            self._fix_the_block("needs decode CUDA graphs with the fa3 backend")
+            self.fallback = make_fallback(draft_fallback(self.widths))
         if self.width_policy is not None and not self.ragged:  # ragged: the target's one runner serves every width
             self._build_width_pairs(capture)
 
@@ -281,8 +299,6 @@ class DFlashWorker(BaseSpecWorker):
         self.width_one_decodes = 1 in self.widths and self.release.decodes_width_one(mr.attn_backend)
         self.width_pairs.update(
             self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes))
-        if not capture and "FlashAttention" in type(mr.attn_backend).__name__:
-            raise DFlashConfigError("SGLANG_DFLASH_WIDTHS", "needs decode CUDA graphs with the fa3 backend")
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
 
     def server_info(self) -> dict:

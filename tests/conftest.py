@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_dflash.config import DFlashDraftConfig, TargetInfo, expected_draft_tensors
+from sglang_dflash.config import WIDTHS_ENV, DFlashDraftConfig, TargetInfo, expected_draft_tensors
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,6 +26,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def widths_switch_restored():
+    """The launch hook writes the verify widths into os.environ (SGLang's processes inherit them):
+    each test leaves them as it found them."""
+    before = os.environ.get(WIDTHS_ENV)
+    yield
+    if before is None:
+        os.environ.pop(WIDTHS_ENV, None)
+    else:
+        os.environ[WIDTHS_ENV] = before
 
 
 TARGET = dict(hidden_size=64, num_hidden_layers=8, vocab_size=256, max_position_embeddings=512)

@@ -2,6 +2,7 @@
 with the most committed tokens per second of step time."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -284,12 +285,24 @@ def test_each_chosen_step_names_the_rule_that_chose_it():
 
 
 def test_the_verify_widths_switch(monkeypatch):
-    from sglang_dflash.config import WIDTHS_ENV, DFlashConfigError, verify_widths, width_policy_kind
+    from sglang_dflash.config import (WIDTHS_ENV, DFlashConfigError, fix_block_named_by_flag, verify_widths,
+                                      widths_by_default, width_policy_kind)
 
     monkeypatch.delenv(WIDTHS_ENV, raising=False)
-    assert verify_widths(16) == (16,)  # unset: the fixed block of today
+    assert verify_widths(16) == (16, 8, 4, 2, 1) and widths_by_default()  # unset: adaptive where it serves
     monkeypatch.setenv(WIDTHS_ENV, "auto")
     assert verify_widths(16) == (16, 8, 4, 2, 1) and verify_widths(10) == (10, 5, 2, 1)
+    assert not widths_by_default()
+    monkeypatch.setenv(WIDTHS_ENV, "fixed")
+    assert verify_widths(16) == (16,)
+    # A block named by flag is the one width, unless the widths were named too.
+    flags = SimpleNamespace(speculative_num_draft_tokens=8, speculative_dflash_block_size=None)
+    assert not fix_block_named_by_flag(flags)
+    monkeypatch.delenv(WIDTHS_ENV)
+    assert not fix_block_named_by_flag(SimpleNamespace(speculative_num_draft_tokens=None,
+                                                       speculative_dflash_block_size=None))
+    assert widths_by_default()
+    assert fix_block_named_by_flag(flags) and verify_widths(8) == (8,)
     monkeypatch.setenv(WIDTHS_ENV, "1, 16,4")
     assert verify_widths(16) == (16, 4, 1)
     for bad in ("8,4", "16,17", "16,0", "wide"):

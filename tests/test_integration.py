@@ -133,6 +133,21 @@ def test_a_bad_verify_widths_switch_stops_the_launch_in_one_line(tmp_path, monke
     integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "ok"))
 
 
+def test_a_block_named_by_flag_is_the_one_verify_width(tmp_path, monkeypatch):
+    """Adaptive width is the default; --speculative-num-draft-tokens fixes the block as before,
+    unless SGLANG_DFLASH_WIDTHS names the widths too."""
+    import os
+
+    monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "a"))
+    assert "SGLANG_DFLASH_WIDTHS" not in os.environ
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "b", speculative_num_draft_tokens=8))
+    assert os.environ["SGLANG_DFLASH_WIDTHS"] == "fixed"
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "auto")
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "c", speculative_num_draft_tokens=8))
+    assert os.environ["SGLANG_DFLASH_WIDTHS"] == "auto"
+
+
 def test_hybrid_target_and_draft_window_pass_the_start_checks(tmp_path):
     target = write_target(str(tmp_path / "t"), layer_types=["linear_attention", "full_attention"] * 4)
     args = server_args(tmp_path, model_path=target, speculative_draft_window_size=1024)

@@ -398,6 +398,32 @@ def test_prefills_replayed_from_sglangs_prefill_graphs_are_counted():
     assert written[-1] == [2, 3, 4, 0, 1]  # each request's new tokens after its cached prefix
 
 
+@pytest.mark.parametrize("tp_size, hybrid", [(2, False), (1, True)])
+def test_where_adaptive_width_cannot_serve_the_default_fixes_the_block_and_a_named_auto_stops(
+        monkeypatch, caplog, tp_size, hybrid):
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.config import DFlashConfigError
+    from sglang_dflash.worker import DFlashWorker
+
+    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=tp_size, tp_rank=0))
+    worker = object.__new__(DFlashWorker)
+    worker.block_size, worker.widths, worker.hybrid = 16, (16, 8, 4, 2, 1), hybrid
+    worker.release = SimpleNamespace(dp_attention=lambda args: False)
+    why = DFlashWorker._adaptive_width_unserved(worker, SimpleNamespace())
+    assert why is not None
+    monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
+    with caplog.at_level("INFO", logger="sglang_dflash"):
+        DFlashWorker._fix_the_block(worker, why)
+    assert worker.widths == (16,) and worker.width_policy is None
+    assert caplog.records[-1].getMessage().startswith("DFLASH verify width fixed at 16 (SGLANG_DFLASH_WIDTHS=auto ")
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "auto")
+    with pytest.raises(DFlashConfigError, match="^SGLANG_DFLASH_WIDTHS: "):
+        DFlashWorker._fix_the_block(worker, why)
+    worker.hybrid = False
+    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=1, tp_rank=0))
+    assert DFlashWorker._adaptive_width_unserved(worker, SimpleNamespace()) is None
+
+
 def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     from collections import deque
 

@@ -24,8 +24,10 @@ IMPLEMENTATIONS = {
     "ar": ([], {}),
     "plugin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin"}),
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
-    # The plugin with adaptive verify width (issue 27): every width of the block, the throughput policy.
+    # The plugin's default is adaptive verify width wherever it serves; "adaptive" insists on it
+    # (a server where it cannot serve fails to start), "plugin-fixed" verifies the whole block every step.
     "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto"}),
+    "plugin-fixed": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "fixed"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
     "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
                         {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto", "SGLANG_DFLASH_RAGGED": "1"}),
@@ -44,7 +46,7 @@ IMPLEMENTATIONS = {
                     {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "adaptive-ragged", "plugin-eager-context", "plugin-full-vocab",
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-fixed", "adaptive-ragged", "plugin-eager-context", "plugin-full-vocab",
                 "plugin-fp8", "builtin-fp8")
 
 
