@@ -7,6 +7,7 @@ is rewritten after each stage, so a run cut short still says how far it got.
 
     python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
                                 [--widths auto [--width-policy cycle] [--fallback force] [--plain-too]]
+                                [--server-default [--plain-too]]
                                 [--smollm2 TARGET_DIR --draft DIR --data-dir DIR] [--context-ab 64]
                                 [--prefill-graphs off|on|N]
 
@@ -113,8 +114,12 @@ def main():
     parser.add_argument("--fallback", default="",
                         help="with --widths: SGLANG_DFLASH_FALLBACK (force: requests in and out of the per-request "
                              "fallback on a fixed pattern, whole batches in it every third step)")
+    parser.add_argument("--server-default", action="store_true",
+                        help="the plugin as a user launches it: no --speculative-num-draft-tokens and no "
+                             "SGLANG_DFLASH_WIDTHS (adaptive width by default; fails unless it reports several widths)")
     parser.add_argument("--plain-too", action="store_true",
-                        help="with --widths: a third server, the plugin at its one width, checked the same way")
+                        help="with --widths or --server-default: a third server, the plugin with its block named "
+                             "(--speculative-num-draft-tokens), which must verify that one width, checked the same way")
     parser.add_argument("--prefill-graphs", default="off", metavar="off|on|N",
                         help="prefills eager (off, default), from SGLang's default breakable graphs (on, as a user "
                              "passing no graph flag gets them), or from graphs of up to N tokens")
@@ -124,8 +129,10 @@ def main():
     args = parser.parse_args()
     if args.fallback and not args.widths:
         parser.error("--fallback needs --widths (width 1 among them)")
-    if args.plain_too and not args.widths:
-        parser.error("--plain-too needs --widths (without them the plugin is already plain)")
+    if args.plain_too and not (args.widths or args.server_default):
+        parser.error("--plain-too needs --widths or --server-default (without them the plugin is already plain)")
+    if args.widths and args.server_default:
+        parser.error("--server-default leaves SGLANG_DFLASH_WIDTHS unset: drop --widths")
     if args.smollm2 and not args.draft:
         parser.error("--smollm2 needs --draft")
     try:
@@ -149,6 +156,7 @@ def main():
     record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32",
               "pair": "smollm2" if args.smollm2 else "tiny", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block,
+              "server_default": args.server_default,
               "prefill_graphs": args.prefill_graphs, "stage": "start"}
     path = os.path.join(args.out, "lossless.json")
 
@@ -159,8 +167,8 @@ def main():
 
     def server(name, env):
         plain = name == "ar"
-        spec = ServerSpec("ar" if plain else "plugin", target, None if plain else draft, None if plain else args.block,
-                          flags, {**ENV, **env})
+        block = None if plain or (name == "plugin" and args.server_default) else args.block
+        spec = ServerSpec("ar" if plain else "plugin", target, None if plain else draft, block, flags, {**ENV, **env})
         return Server(spec, log_path=os.path.join(args.out, f"server-{name}.log"), timeout_s=420)
 
     servers = {"ar": server("ar", {}), "plugin": server("plugin", widths)}
@@ -177,6 +185,7 @@ def main():
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
                 [servers[k] for k in checked])))
         plugin_info = server_info(servers["plugin"].url).get("dflash")
+        plain_info = server_info(servers["plugin-plain"].url).get("dflash") if args.plain_too else None
         if args.context_ab:
             save(stage="context a/b")
             one_by_one = greedy[: args.context_ab]
@@ -194,12 +203,16 @@ def main():
     main_result["plugin_kv_after"] = main_result.pop("kv_after")
     save(stage="done", **main_result, ar_kv_after=outs["ar"][2], plugin_dflash=plugin_info)
     if args.plain_too:
-        save(plain=compare(outs["ar"], outs["plugin-plain"]))
+        save(plain={**compare(outs["ar"], outs["plugin-plain"]), "widths": (plain_info or {}).get("widths")})
     print(json.dumps(record))
     results = [main_result] + ([record["plain"]] if args.plain_too else [])
     clean = not any(r["greedy_mismatches"] or r["stop_mismatches"] or r["errors"] for r in results)
     if args.context_ab:
         clean = clean and record["context_ab"]["requests_with_other_verify_steps"] == 0 and record["context_ab"]["same_tokens"]
+    if args.server_default:  # the default is adaptive width; a named block is the one width
+        clean = clean and len((plugin_info or {}).get("widths") or []) > 1
+    if args.plain_too:
+        clean = clean and (plain_info or {}).get("widths") == [args.block]
     if args.prefill_graphs != "off":  # the check covers what it says: prefills replayed from SGLang's graphs
         clean = clean and bool((plugin_info or {}).get("prefills_in_graphs"))
     kvs = [outs[k][2] for k in checked]
