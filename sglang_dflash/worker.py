@@ -211,12 +211,14 @@ class DFlashWorker(BaseSpecWorker):
         return None
 
     def _fix_the_block(self, why: str) -> None:
-        """Widths asked for by name stop the server; by default the block is fixed instead."""
+        """Widths asked for by name stop the server; by default the block is fixed instead, and
+        with it the per-request fallback, which needs width 1, goes too."""
         if not widths_by_default():
             raise DFlashConfigError(WIDTHS_ENV, why)
         if get_parallel().tp_rank == 0:
             logger.info("DFLASH verify width fixed at %d (%s=auto %s)", self.block_size, WIDTHS_ENV, why)
         self.widths, self.width_policy = (self.block_size,), None
+        self.fallback = make_fallback(draft_fallback(self.widths))
 
     def _resolve_mask_token_id(self) -> int:
         if self.config.mask_token_id is not None:
@@ -287,7 +289,6 @@ class DFlashWorker(BaseSpecWorker):
         if self.width_policy is not None and not self.ragged and not capture and fa3:
             # FA3's eager verify assumes the width its backend was built with.
             self._fix_the_block("needs decode CUDA graphs with the fa3 backend")
-            self.fallback = make_fallback(draft_fallback(self.widths))
         if self.width_policy is not None and not self.ragged:  # ragged: the target's one runner serves every width
             self._build_width_pairs(capture)
 

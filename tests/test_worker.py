@@ -414,7 +414,7 @@ def test_where_adaptive_width_cannot_serve_the_default_fixes_the_block_and_a_nam
     monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
     with caplog.at_level("INFO", logger="sglang_dflash"):
         DFlashWorker._fix_the_block(worker, why)
-    assert worker.widths == (16,) and worker.width_policy is None
+    assert worker.widths == (16,) and worker.width_policy is None and worker.fallback is None
     assert caplog.records[-1].getMessage().startswith("DFLASH verify width fixed at 16 (SGLANG_DFLASH_WIDTHS=auto ")
     monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "auto")
     with pytest.raises(DFlashConfigError, match="^SGLANG_DFLASH_WIDTHS: "):
