@@ -85,13 +85,22 @@ def widths_by_default() -> bool:
     return not os.environ.get(WIDTHS_ENV, "").strip()
 
 
+_widths_fixed_by_flag = False  # this process wrote WIDTHS_ENV for a block named by flag
+
+
 def fix_block_named_by_flag(args) -> bool:
     """A block the user names (``--speculative-num-draft-tokens`` or ``--speculative-dflash-block-size``)
     is the one width, unless :data:`WIDTHS_ENV` says otherwise. Set in the launching process, which
-    SGLang's scheduler processes inherit. True if it fixed the block."""
+    SGLang's scheduler processes inherit; a later server of the same process (an in-process
+    ``Engine``) that names no block gets the default back. True if it fixed the block."""
+    global _widths_fixed_by_flag
+    if _widths_fixed_by_flag and os.environ.get(WIDTHS_ENV) == "fixed":
+        del os.environ[WIDTHS_ENV]
+    _widths_fixed_by_flag = False
     named = args.speculative_num_draft_tokens is not None or args.speculative_dflash_block_size is not None
     if named and widths_by_default():
         os.environ[WIDTHS_ENV] = "fixed"
+        _widths_fixed_by_flag = True
         return True
     return False
 

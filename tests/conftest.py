@@ -32,8 +32,11 @@ def pytest_collection_modifyitems(config, items):
 def widths_switch_restored():
     """The launch hook writes the verify widths into os.environ (SGLang's processes inherit them):
     each test leaves them as it found them."""
+    from sglang_dflash import config
+
     before = os.environ.get(WIDTHS_ENV)
     yield
+    config._widths_fixed_by_flag = False
     if before is None:
         os.environ.pop(WIDTHS_ENV, None)
     else:

@@ -143,6 +143,13 @@ def test_a_block_named_by_flag_is_the_one_verify_width(tmp_path, monkeypatch):
     assert "SGLANG_DFLASH_WIDTHS" not in os.environ
     integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "b", speculative_num_draft_tokens=8))
     assert os.environ["SGLANG_DFLASH_WIDTHS"] == "fixed"
+    # A later server of the same process (an in-process Engine) naming no block is adaptive again...
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "d"))
+    assert "SGLANG_DFLASH_WIDTHS" not in os.environ
+    # ...but a block the user fixed stays fixed.
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "fixed")
+    integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "e"))
+    assert os.environ["SGLANG_DFLASH_WIDTHS"] == "fixed"
     monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "auto")
     integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "c", speculative_num_draft_tokens=8))
     assert os.environ["SGLANG_DFLASH_WIDTHS"] == "auto"
