@@ -229,6 +229,40 @@ def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
             assert tokens_per_second(WidthPolicy(16), seed, p) >= 0.99 * tokens_per_second(None, seed, p), (p, seed)
 
 
+def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
+    """Seen on the GPU (SmolLM2, fa3, session 30): the same server's steps ran 30-60% slower for
+    stretches of waves, and narrow widths were chosen after width 16 read slow in such a stretch.
+    Here every width costs the same and stretches of 50-200 steps run 1.6x slower: a width chosen
+    on a slow reading must not stay long, or the policy loses the tokens it leaves unverified."""
+    levels = [1, 2, 4, 8, 16, 32, 64]
+
+    def tokens_per_second(policy, seed, p):
+        rng, tokens, seconds = random.Random(seed), 0, 0.0
+        factor, left = 1.0, rng.randint(50, 200)
+        for bs in levels:
+            for _ in range(400):
+                left -= 1
+                if left <= 0:
+                    factor, left = (1.6 if factor == 1.0 else 1.0), rng.randint(50, 200)
+                runs = []  # each request's run of drafts the target would accept
+                for _ in range(bs):
+                    k = 0
+                    while k < 15 and rng.random() < p:
+                        k += 1
+                    runs.append(k)
+                cost = 3.0 * factor * (1 + 0.1 * rng.random()) / 1000
+                w = policy.choose(bs) if policy else 16
+                lens = [min(k, w - 1) for k in runs]
+                if policy:
+                    policy.record(w, bs, lens, cost)
+                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
+        return tokens / seconds
+
+    for p in (0.55, 0.72):
+        for seed in range(3):
+            assert tokens_per_second(WidthPolicy(16), seed, p) >= 0.99 * tokens_per_second(None, seed, p), (p, seed)
+
+
 def test_near_equal_widths_do_not_flip_on_noise():
     """No draft accepted, steps noisy by up to 15%, the draft pass a fifth of a step (fa3 at bs 1
     on the 8B rig: 7.1 ms against 8.4-9.1 ms): width 1 holds."""
