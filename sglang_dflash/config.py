@@ -105,6 +105,19 @@ def fix_block_named_by_flag(args) -> bool:
     return False
 
 
+def admissions_as_plain_decoding(args) -> dict:
+    """The field to declare so new requests join a running batch as under plain decoding.
+
+    SGLang holds a DFLASH server's new prefills until 2-4 running slots are free
+    (``--min-free-slots-delay``, on by default for DFLASH), for a draft prefill pass of its own. The
+    plugin's draft context comes out of the target's own prefill, so an admission costs what it
+    costs plain decoding; held, the last requests of a full batch wait a whole generation for their
+    first token (seen on the 8B rig at c64: 2.3-2.8 s). A value the user sets wins."""
+    if not hasattr(args, "min_free_slots_delay") or args.min_free_slots_delay is not None:
+        return {}
+    return {"min_free_slots_delay": 1}  # 1: SGLang's own "off"
+
+
 def width_policy_kind() -> str:
     kind = os.environ.get(WIDTH_POLICY_ENV, "throughput").strip().lower() or "throughput"
     if kind not in WIDTH_POLICIES:

@@ -180,7 +180,7 @@ def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
 
 def handle_dflash_args_hook(original, server_args):
     """Validate the draft checkpoint and the flags, then let SGLang apply its DFLASH defaults."""
-    from .config import DFlashConfigError, fix_block_named_by_flag, validate_server_args
+    from .config import DFlashConfigError, admissions_as_plain_decoding, fix_block_named_by_flag, validate_server_args
 
     release = _release()
     reason = _builtin_for_this_server(server_args)
@@ -195,7 +195,14 @@ def handle_dflash_args_hook(original, server_args):
     fix_block_named_by_flag(view)
     if view.speculative_num_draft_tokens is None and view.speculative_dflash_block_size is None:
         release.declare(server_args, speculative_num_draft_tokens=cfg.block_size)
+    admissions = admissions_as_plain_decoding(view)
+    if admissions:
+        release.declare(server_args, **admissions)
     original(server_args)
+    if admissions:
+        logger.info("DFLASH: new requests join a running batch as under plain decoding "
+                    "(--min-free-slots-delay %s; set it to hold them for several free slots).",
+                    admissions["min_free_slots_delay"])
     logger.info(
         "DFLASH is served by sglang-dflash on SGLang %s (block_size=%s, draft=%s, target_layer_ids=%s).",
         release.version, release.resolving(server_args).speculative_num_draft_tokens,

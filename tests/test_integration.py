@@ -104,6 +104,20 @@ def test_args_hook_validates_then_defers_to_sglang(tmp_path):
     assert seen == [args] and RELEASE.resolving(args).speculative_num_draft_tokens == 16
 
 
+def test_new_requests_join_a_running_batch_as_under_plain_decoding(tmp_path):
+    """SGLang holds a DFLASH server's prefills until 2-4 slots are free (for a draft prefill of its
+    own, which the plugin does not run): the plugin turns that off unless the user set it."""
+    args = server_args(tmp_path / "a", min_free_slots_delay=None)
+    integration.handle_dflash_args_hook(lambda a: None, args)
+    assert RELEASE.resolving(args).min_free_slots_delay == 1
+    args = server_args(tmp_path / "b", min_free_slots_delay=4)
+    integration.handle_dflash_args_hook(lambda a: None, args)
+    assert RELEASE.resolving(args).min_free_slots_delay == 4
+    args = server_args(tmp_path / "c")  # a release without the field: nothing declared
+    integration.handle_dflash_args_hook(lambda a: None, args)
+    assert not hasattr(RELEASE.resolving(args), "min_free_slots_delay")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
