@@ -109,10 +109,11 @@ def admissions_as_plain_decoding(args) -> dict:
     """The field to declare so new requests join a running batch as under plain decoding.
 
     SGLang holds a DFLASH server's new prefills until 2-4 running slots are free
-    (``--min-free-slots-delay``, on by default for DFLASH), for a draft prefill pass of its own. The
-    plugin's draft context comes out of the target's own prefill, so an admission costs what it
-    costs plain decoding; held, the last requests of a full batch wait a whole generation for their
-    first token (seen on the 8B rig at c64: 2.3-2.8 s). A value the user sets wins."""
+    (``--min-free-slots-delay``, on by default for DFLASH), to batch admissions it takes to be
+    expensive. Here an admission is the target's prefill plus the draft context projected from its
+    hidden states, about what it costs plain decoding; held, the last requests of a full batch wait
+    a whole generation for their first token (the 8B rig at c64: 2.3-2.8 s). A value the user sets
+    wins."""
     if not hasattr(args, "min_free_slots_delay") or args.min_free_slots_delay is not None:
         return {}
     return {"min_free_slots_delay": 1}  # 1: SGLang's own "off"
