@@ -3,17 +3,21 @@
 Some waves of a benchmark run far slower than their neighbours, at the same step time. Full garbage
 collections and allocator retries would stop the scheduler like that: a run records how many there
 were and the longest one, so such a wave can be checked against them. :class:`StepStalls` names the
-worker calls that took long, or came long after the one before, whatever held them up.
+worker calls that took long, or came long after the one before, whatever held them up, and the
+host time of decode calls by verify width.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections import deque
 from typing import Optional
 
 import torch
+
+from .adaptive import bucket
 
 
 class HostPauses:
@@ -76,12 +80,17 @@ class StepStalls:
     compile, a synchronisation) and a long gap is the scheduler waiting for the GPU or busy with
     something else. :meth:`report` (``/get_server_info``, read between a benchmark's waves)
     forgets the last call's end, so a pause between waves never counts.
+
+    Decode calls are also kept by verify width and batch-size bucket (the last ``per_width``): a
+    width whose steps cost more shows whether the host spent it in the call or before it.
     """
 
-    def __init__(self, threshold_ms: float = 50.0, keep: int = 32):
+    def __init__(self, threshold_ms: float = 50.0, keep: int = 32, per_width: int = 64):
         self.threshold = threshold_ms / 1e3
         self.calls, self.count, self.total = 0, 0, 0.0
         self.recent: deque = deque(maxlen=keep)
+        self.per_width = per_width
+        self.by_width: dict[tuple[int, int], deque] = {}  # (width, bucket) -> (call s, gap s)
         self._start: Optional[float] = None
         self._last_end: Optional[float] = None
         self._last_mode = ""
@@ -89,11 +98,16 @@ class StepStalls:
     def begin(self) -> None:
         self._start = time.perf_counter()
 
-    def end(self, mode: str, bs: int, tokens: int) -> None:
+    def end(self, mode: str, bs: int, tokens: int, width: Optional[int] = None) -> None:
         now = time.perf_counter()
         call = now - self._start if self._start is not None else 0.0
         gap = self._start - self._last_end if self._last_end is not None and self._start is not None else 0.0
         self.calls += 1
+        if width is not None and self._last_end is not None:
+            key = (width, bucket(bs))
+            if key not in self.by_width:
+                self.by_width[key] = deque(maxlen=self.per_width)
+            self.by_width[key].append((call, gap))
         if call > self.threshold or gap > self.threshold:
             self.count += 1
             self.total += (call if call > self.threshold else 0.0) + (gap if gap > self.threshold else 0.0)
@@ -103,6 +117,10 @@ class StepStalls:
 
     def report(self) -> dict:
         self._last_end = None
+        by_width = {f"{w}@{b}": {"call": round(statistics.median(c for c, _ in kept) * 1e3, 3),
+                                 "gap": round(statistics.median(g for _, g in kept) * 1e3, 3), "n": len(kept)}
+                    for (w, b), kept in sorted(self.by_width.items(), key=lambda kv: (-kv[0][0], kv[0][1]))}
         return {"calls": self.calls, "over_ms": round(self.threshold * 1e3, 1), "stalls": self.count,
                 "stall_ms": round(self.total * 1e3, 1),
-                "recent": list(self.recent)}  # [call, previous>this mode, bs, tokens, call ms, gap ms]
+                "recent": list(self.recent),  # [call, previous>this mode, bs, tokens, call ms, gap ms]
+                "host_ms_by_width": by_width}  # medians of the last decode calls at each width@bucket

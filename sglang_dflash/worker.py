@@ -339,10 +339,13 @@ class DFlashWorker(BaseSpecWorker):
         bs = len(seq_lens) if seq_lens is not None else 0
         tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
         self.stalls.begin()
+        result = None
         try:
-            return self._step(batch, mode, on_publish, grammar_barrier)
+            result = self._step(batch, mode, on_publish, grammar_barrier)
+            return result
         finally:
-            self.stalls.end(mode, bs, tokens)
+            width = getattr(result, "speculative_num_draft_tokens", None) if mode == "decode" else None
+            self.stalls.end(mode, bs, tokens, width)
 
     def _step(self, batch, mode: str, on_publish, grammar_barrier) -> GenerationBatchResult:
         if mode == "extend":

@@ -478,7 +478,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     state = integration.server_info_hook(sglang_state, scheduler, None).internal_state
     pauses = state["dflash"].pop("host_pauses")
     assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
-    assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": []}
+    assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
+                                             "host_ms_by_width": {}}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
@@ -541,6 +542,26 @@ def test_step_stalls_name_long_calls_and_gaps_but_not_the_pause_between_waves(mo
     stalls.begin()
     stalls.end("extend", 8, 1024)
     assert stalls.report()["stalls"] == 2
+
+
+def test_decode_calls_are_kept_by_verify_width(monkeypatch):
+    """Host time per width@bucket (medians of the call and of the gap before it): whether a width
+    whose steps cost more spent it in the worker or waiting before it."""
+    import sglang_dflash.host_pauses as host_pauses
+
+    clock = iter([0.000, 0.003,   # width 16, bs 12: the first call has no gap, so it is not kept
+                  0.004, 0.007,   # width 16: 3 ms call after 1 ms
+                  0.008, 0.013,   # width 8: 5 ms call after 1 ms
+                  0.016, 0.019,   # width 16: 3 ms call after 3 ms
+                  0.020, 0.030])  # a prefill: not kept by width
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+    stalls = host_pauses.StepStalls()
+    for mode, bs, width in [("decode", 12, 16), ("decode", 12, 16), ("decode", 9, 8), ("decode", 16, 16),
+                            ("extend", 4, None)]:
+        stalls.begin()
+        stalls.end(mode, bs, 0, width)
+    assert stalls.report()["host_ms_by_width"] == {"16@16": {"call": 3.0, "gap": 2.0, "n": 2},
+                                                   "8@16": {"call": 5.0, "gap": 1.0, "n": 1}}
 
 
 def test_worker_calls_are_named_by_the_mode_they_came_in():
