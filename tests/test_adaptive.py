@@ -85,17 +85,6 @@ def accepted_drafts(rng, bs, width, p):
     return lens
 
 
-def accept_runs(rng, bs, p, block_size=16):
-    """Each request's run of drafts the target would accept, whatever width verifies them."""
-    runs = []
-    for _ in range(bs):
-        k = 0
-        while k < block_size - 1 and rng.random() < p:
-            k += 1
-        runs.append(k)
-    return runs
-
-
 def run_policy(policy, bs, p, cost, steps, rng):
     for _ in range(steps):
         w = policy.choose(bs)
@@ -221,7 +210,7 @@ def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
         rng, tokens, seconds = random.Random(seed), 0, 0.0
         for bs in levels:
             for _ in range(300):
-                runs = accept_runs(rng, bs, p)
+                runs = accepted_drafts(rng, bs, 16, p)  # what the target would accept at any width
                 cost = (3.5 + (rng.expovariate(1 / 4.0) if rng.random() < 0.3 else 0.0)) / 1000
                 w = policy.choose(bs) if policy else 16
                 lens = [min(k, w - 1) for k in runs]
@@ -250,7 +239,7 @@ def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
                 left -= 1
                 if left <= 0:
                     factor, left = (1.6 if factor == 1.0 else 1.0), rng.randint(50, 200)
-                runs = accept_runs(rng, bs, p)
+                runs = accepted_drafts(rng, bs, 16, p)  # what the target would accept at any width
                 cost = 3.0 * factor * (1 + 0.1 * rng.random()) / 1000
                 w = policy.choose(bs) if policy else 16
                 lens = [min(k, w - 1) for k in runs]
