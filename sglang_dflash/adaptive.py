@@ -13,6 +13,7 @@ how many candidates are checked.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter, deque
 from typing import Optional, Sequence
 
@@ -83,6 +84,7 @@ class StepCosts:
     def __init__(self, window: int = 8):
         self.samples: dict[tuple[int, int], deque] = {}
         self.seconds: dict[tuple[int, int], float] = {}  # each key's estimate, kept as samples arrive
+        self.least_ever: dict[tuple[int, int], float] = {}  # what bounds the other keys
         self.seen: Counter = Counter()
         self.window = window
 
@@ -93,6 +95,7 @@ class StepCosts:
             samples = self.samples.setdefault(key, deque(maxlen=self.window))
             samples.append(seconds)
             self.seconds[key] = min(samples)
+            self.least_ever[key] = min(seconds, self.least_ever.get(key, seconds))
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
@@ -100,13 +103,15 @@ class StepCosts:
     def estimate(self, width: int, bs: int) -> Optional[float]:
         return self.seconds.get((width, bucket(bs)))
 
-    def lower_bound(self, width: int, bs: int, min_count: int = 1) -> Optional[float]:
-        """What a step at (width, bs) costs at least, from the other keys measured ``min_count``
-        times or more (one unlucky sample would raise the bound): a narrower width or a smaller
-        batch never costs more. None when no such key was measured."""
+    def lower_bound(self, width: int, bs: int, min_count: int = 1, narrower: bool = True) -> Optional[float]:
+        """What a step at (width, bs) costs at least, from the least ever measured at the other
+        keys measured ``min_count`` times or more (one unlucky sample would raise the bound, and
+        so would a slow stretch): a smaller batch never costs more, nor (``narrower``) does a
+        narrower width. None when no such key was measured."""
         b = bucket(bs)
-        below = [s for (w, k), s in self.seconds.items()
-                 if w <= width and k <= b and (w, k) != (width, b) and len(self.samples[w, k]) >= min_count]
+        below = [least for (w, k), least in self.least_ever.items()
+                 if (w <= width if narrower else w == width) and k <= b and (w, k) != (width, b)
+                 and len(self.samples[w, k]) >= min_count]
         return max(below) if below else None
 
 
@@ -149,8 +154,10 @@ class WidthPolicy:
 
     def best_possible(self, width: int, bs: int) -> float:
         """Expected tokens per second at the least a step of ``width`` can cost (unbounded when
-        nothing measured bounds it)."""
-        floor = self.costs.lower_bound(width, bs, self.SURE_AFTER)
+        nothing measured bounds it). Full width is bounded by its own smaller batches alone: a
+        narrower width is not always cheaper (SmolLM2 on fa3: width 8 at 1.6x width 16), and
+        bounded by one, width 16 went untried at a whole batch size."""
+        floor = self.costs.lower_bound(width, bs, self.SURE_AFTER, narrower=width < max(self.widths))
         return self.acceptance.expected_tokens(width) / floor if floor else float("inf")
 
     def choose(self, bs: int) -> int:
@@ -211,7 +218,12 @@ class WidthPolicy:
         def could_win(w: int) -> bool:
             if self.costs.count(w, bs) < self.SURE_AFTER:
                 return self.best_possible(w, bs) >= bar
-            return self.throughput(w, bs) >= bar
+            cost = self.costs.estimate(w, bs)
+            if w == max(self.widths) and self.costs.count(w, bs) < self.costs.window:
+                # Its few samples may all have come in a slow stretch, and once another width is
+                # chosen only refreshes add more: judge it by its smaller batches' cost too.
+                cost = min(cost, self.costs.lower_bound(w, bs, self.SURE_AFTER, narrower=False) or cost)
+            return self.acceptance.expected_tokens(w) / cost >= bar
 
         candidates = [w for w in self.widths if w != chosen and could_win(w)]
         if not candidates:
@@ -267,22 +279,32 @@ class WidthPolicy:
 
 
 class CyclingWidths:
-    """Every step the next width in turn: no step shares its width with the one before, so a
-    lossless check crosses every switch. Same interface as :class:`WidthPolicy`."""
+    """Widths in turn, ``hold`` steps each: with ``hold=1`` no step shares its width with the one
+    before, so a lossless check crosses every switch. Longer holds time each width in runs: the
+    step costs are kept apart for the first step of a run (a switch) and the others (steady), so a
+    width whose steps cost more shows whether it pays for the switch or for itself. Same interface
+    as :class:`WidthPolicy`."""
 
-    def __init__(self, widths: Sequence[int]):
-        self.widths = tuple(widths)
+    def __init__(self, widths: Sequence[int], hold: int = 1):
+        if hold < 1:
+            raise ValueError(f"hold is at least 1 step, got {hold}")
+        self.widths, self.hold = tuple(widths), hold
         self.steps = 0
         self.used: Counter = Counter()
+        self.seconds: dict[tuple[int, int, bool], deque] = {}  # (width, bucket, after a switch) -> last 256
+        self.last_width: Optional[int] = None
 
     def choose(self, bs: int) -> int:
-        width = self.widths[self.steps % len(self.widths)]
+        width = self.widths[self.steps // self.hold % len(self.widths)]
         self.steps += 1
         self.used[width] += 1
         return width
 
     def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float]) -> None:
-        pass
+        # Steps are recorded in the order they ran: the first of each run is the one after a switch.
+        switched, self.last_width = width != self.last_width, width
+        if seconds is not None and self.hold > 1:
+            self.seconds.setdefault((width, bucket(bs), switched), deque(maxlen=256)).append(seconds)
 
     def count(self, bs: int, width: int, why: str) -> None:
         self.used[width] += 1
@@ -293,6 +315,12 @@ class CyclingWidths:
 
     def widths_used(self) -> dict[int, int]:
         return dict(sorted(self.used.items(), reverse=True))
+
+    def step_ms(self) -> dict[str, float]:
+        """Median step cost as ``"width@bucket"`` (steady) and ``"width@bucket/switch"`` (the first
+        step of a run), with holds longer than one step."""
+        return {f"{w}@{b}" + ("/switch" if switched else ""): round(statistics.median(kept) * 1000, 3)
+                for (w, b, switched), kept in sorted(self.seconds.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][2]))}
 
 
 class DraftHealth:
@@ -388,5 +416,9 @@ def make_fallback(mode: str):
 
 
 def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):
-    """``throughput`` (:class:`WidthPolicy`) or ``cycle`` (:class:`CyclingWidths`)."""
-    return CyclingWidths(widths) if kind == "cycle" else WidthPolicy(block_size, widths)
+    """``throughput`` (:class:`WidthPolicy`), ``cycle`` (:class:`CyclingWidths`, a new width every
+    step) or ``cycle:N`` (each width for N steps in turn)."""
+    name, _, hold = kind.partition(":")
+    if name == "cycle":
+        return CyclingWidths(widths, int(hold or 1))
+    return WidthPolicy(block_size, widths)

@@ -253,6 +253,39 @@ def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
             assert tokens_per_second(WidthPolicy(16), seed, p) >= 0.99 * tokens_per_second(None, seed, p), (p, seed)
 
 
+def test_narrow_widths_that_cost_more_than_full_width_are_not_kept_after_a_slow_stretch():
+    """Seen on the GPU (SmolLM2, fa3, session 30): narrower widths cost more than width 16 (the
+    step ms the policy measured: 16 about 2.8, 8 about 4.5, 4 about 6.6, 1 about 3.6), and slow
+    stretches hit every width. Width 16 first measured in a stretch, or bounded by a narrower
+    width's cost, was not tried again for hundreds of steps: 0.94-0.95x fixed 16 here before."""
+    levels, cost_ms = [1, 2, 4, 8, 16, 32, 64], {16: 2.8, 8: 4.5, 4: 6.0, 2: 5.0, 1: 3.6}
+
+    def tokens_per_second(policy, seed, p, shortest, longest):
+        rng, tokens, seconds = random.Random(seed), 0, 0.0
+        factor, left = 1.0, rng.randint(shortest, longest)
+        for bs in levels:
+            for _ in range(400):
+                left -= 1
+                if left <= 0:  # quiet stretches three times as long as the slow ones
+                    factor, left = (2.0, rng.randint(shortest, longest)) if factor == 1.0 else \
+                        (1.0, 3 * rng.randint(shortest, longest))
+                runs = accepted_drafts(rng, bs, 16, p)
+                w = policy.choose(bs) if policy else 16
+                cost = cost_ms[w] * factor * (1 + 0.1 * rng.random()) / 1000
+                lens = [min(k, w - 1) for k in runs]
+                if policy:
+                    policy.record(w, bs, lens, cost)
+                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
+        return tokens / seconds
+
+    for shortest, longest in ((8, 30), (20, 100)):
+        for p in (0.55, 0.72):
+            for seed in range(3):
+                ratio = tokens_per_second(WidthPolicy(16), seed, p, shortest, longest) / \
+                    tokens_per_second(None, seed, p, shortest, longest)
+                assert ratio >= 0.98, (shortest, p, seed, ratio)
+
+
 def test_near_equal_widths_do_not_flip_on_noise():
     """No draft accepted, steps noisy by up to 15%, the draft pass a fifth of a step (fa3 at bs 1
     on the 8B rig: 7.1 ms against 8.4-9.1 ms): width 1 holds."""
@@ -333,9 +366,12 @@ def test_the_verify_widths_switch(monkeypatch):
         monkeypatch.setenv(WIDTHS_ENV, bad)
         with pytest.raises(DFlashConfigError, match=r"^SGLANG_DFLASH_WIDTHS: "):
             verify_widths(16)
-    monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", "greedy")
-    with pytest.raises(DFlashConfigError, match="not one of throughput, cycle"):
-        width_policy_kind()
+    for bad in ("greedy", "cycle:0", "cycle:x", "throughput:4"):
+        monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", bad)
+        with pytest.raises(DFlashConfigError, match="not one of throughput, cycle or cycle:N"):
+            width_policy_kind()
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", " Cycle:8 ")
+    assert width_policy_kind() == "cycle:8"
 
 
 def test_the_cycling_policy_changes_width_every_step():
@@ -347,6 +383,27 @@ def test_the_cycling_policy_changes_width_every_step():
     assert all(a != b for a, b in zip(chosen, chosen[1:]))
     assert policy.widths_used() == {16: 3, 4: 2, 1: 2}
     assert isinstance(make_width_policy("throughput", 16, (16, 8)), WidthPolicy)
+
+
+def test_a_held_cycle_times_the_step_after_a_switch_apart_from_the_steady_ones():
+    """``cycle:N``: each width N steps in turn; a width that costs more only when switched to
+    shows it under ``/switch`` while its steady steps read as they are."""
+    from sglang_dflash.adaptive import make_width_policy
+
+    policy = make_width_policy("cycle:3", 16, (16, 8))
+    chosen = []
+    for _ in range(12):
+        width = policy.choose(bs=5)
+        chosen.append(width)
+        first_of_run = len(chosen) == 1 or chosen[-2] != width
+        policy.record(width, 5, [1] * 5, (0.009 if first_of_run else 0.002) + (0.001 if width == 8 else 0.0))
+    assert chosen == [16, 16, 16, 8, 8, 8] * 2
+    assert policy.step_ms() == {"16@8": 2.0, "16@8/switch": 9.0, "8@8": 3.0, "8@8/switch": 10.0}
+    untimed = make_width_policy("cycle:2", 16, (16, 8))
+    for width, seconds in ((16, None), (16, 0.002), (8, 0.004)):
+        untimed.record(width, 1, [0], seconds)  # the first step of a run was not timed (after a prefill)
+    assert untimed.step_ms() == {"16@1": 2.0, "8@1/switch": 4.0}
+    assert make_width_policy("cycle", 16, (16, 8)).step_ms() == {}  # a new width every step: nothing steady
 
 
 # ---- per request: the health fallback and the ragged block it verifies ----------------------------
