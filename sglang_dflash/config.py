@@ -25,8 +25,8 @@ CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
-# at launch). And how a width is chosen: "throughput" (the default) or "cycle" (the next width
-# every step, for lossless checks across switches).
+# at launch). And how a width is chosen: "throughput" (the default), "cycle" (the next width
+# every step, for lossless checks across switches) or "cycle:N" (N steps a width, timed apart).
 WIDTHS_ENV = "SGLANG_DFLASH_WIDTHS"
 WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
 WIDTH_POLICIES = ("throughput", "cycle")
@@ -121,8 +121,10 @@ def admissions_as_plain_decoding(args) -> dict:
 
 def width_policy_kind() -> str:
     kind = os.environ.get(WIDTH_POLICY_ENV, "throughput").strip().lower() or "throughput"
-    if kind not in WIDTH_POLICIES:
-        raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of {', '.join(WIDTH_POLICIES)}")
+    name, colon, hold = kind.partition(":")
+    if name not in WIDTH_POLICIES or (colon and (name != "cycle" or not hold.isdigit() or int(hold) < 1)):
+        raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of {', '.join(WIDTH_POLICIES)} "
+                                                  "or cycle:N (N steps a width)")
     return kind
 
 

@@ -318,10 +318,9 @@ class DFlashWorker(BaseSpecWorker):
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
-            if hasattr(self.width_policy, "step_ms"):
-                info["step_ms"] = self.width_policy.step_ms()
-                info["choices"] = self.width_policy.choices()
-                info["acceptance_rates"] = self.width_policy.acceptance_rates()
+            for key in ("step_ms", "choices", "acceptance_rates"):
+                if hasattr(self.width_policy, key):
+                    info[key] = getattr(self.width_policy, key)()
         if self.fallback is not None:
             info["fallback"] = {"policy": type(self.fallback).__name__, "requests": self.fallback.fallback_requests,
                                 "in_fallback": self.fallback.in_fallback()}

@@ -481,7 +481,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
                                              "host_ms_by_width": {}}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
-                               "widths_used": {"16": 2, "4": 1, "1": 1}, "eager_verifies": {"1": 2},
+                               "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
                                "draft_vocab": {"rows": 32768, "rebuilds": 3}}
     assert state["avg_spec_accept_length"] == 1.5

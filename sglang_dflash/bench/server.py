@@ -26,7 +26,9 @@ IMPLEMENTATIONS = {
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
     # The plugin's default is adaptive verify width wherever it serves; "adaptive" insists on it
     # (a server where it cannot serve fails to start), "plugin-fixed" verifies the whole block every step.
-    "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto"}),
+    # (SGLANG_DFLASH_WIDTH_POLICY set for the run, e.g. cycle:8, applies to "plugin" alone).
+    "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                         "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
     "plugin-fixed": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "fixed"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
     "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
