@@ -85,8 +85,10 @@ class StepCosts:
         self.samples: dict[tuple[int, int], deque] = {}
         self.seconds: dict[tuple[int, int], float] = {}  # each key's estimate, kept as samples arrive
         self.least_ever: dict[tuple[int, int], float] = {}  # what bounds the other keys
+        self.newest: dict[tuple[int, int], tuple[int, float]] = {}  # (the policy's step, seconds)
         self.seen: Counter = Counter()
         self.window = window
+        self.now = 0  # the policy's step count, set by the policy
 
     def observe(self, width: int, bs: int, seconds: float) -> None:
         key = (width, bucket(bs))
@@ -96,12 +98,18 @@ class StepCosts:
             samples.append(seconds)
             self.seconds[key] = min(samples)
             self.least_ever[key] = min(seconds, self.least_ever.get(key, seconds))
+            self.newest[key] = (self.now, seconds)
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
 
     def estimate(self, width: int, bs: int) -> Optional[float]:
         return self.seconds.get((width, bucket(bs)))
+
+    def newest_since(self, width: int, bs: int, step: int) -> Optional[float]:
+        """The newest sample of (width, bs) if it was taken at ``step`` or later."""
+        taken = self.newest.get((width, bucket(bs)))
+        return taken[1] if taken is not None and taken[0] >= step else None
 
     def lower_bound(self, width: int, bs: int, min_count: int = 1, narrower: bool = True) -> Optional[float]:
         """What a step at (width, bs) costs at least, from the least ever measured at the other
@@ -143,6 +151,7 @@ class WidthPolicy:
         self.refresh_every, self.margin = refresh_every, margin
         self.steps = 0
         self.current: dict[int, int] = {}  # batch-size bucket -> the width chosen last
+        self.confirming: dict[int, int] = {}  # bucket -> a width to time before it may replace the held one
         self.decide_every = decide_every
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> (best width, the step it is held until)
         self.refreshes = 0
@@ -162,6 +171,7 @@ class WidthPolicy:
 
     def choose(self, bs: int) -> int:
         self.steps += 1
+        self.costs.now = self.steps
         b = bucket(bs)
         held = self.settled.get(b)
         if held is not None and self.steps < held[1] and self.steps % self.refresh_every:
@@ -178,6 +188,9 @@ class WidthPolicy:
         if self.steps % (8 * self.refresh_every) == 0:
             return max(self.widths), "deep_refresh"
         width = self._best(bs)
+        challenger = self.confirming.pop(bucket(bs), None)
+        if challenger is not None:
+            return challenger, "confirm"  # the held width stays settled-free: decide again once it is timed
         self.settled[bucket(bs)] = (width, self.steps + self.decide_every)
         if self.steps % self.refresh_every == 0:
             refresh = self._worth_measuring(bs, width)
@@ -201,12 +214,23 @@ class WidthPolicy:
         return min(untried, key=lambda w: (-self.best_possible(w, bs), w != max(self.widths), w != 1))
 
     def _best(self, bs: int) -> int:
+        """The measured width with the most expected tokens per second. Another than the width
+        held must beat it by ``margin / 4`` on a sample of its own taken in the last
+        ``refresh_every`` steps, measured first if it has none (a ``confirm`` step): the held
+        width is timed every step, the others now and then, and a slow stretch that raised the
+        held width's cost raises theirs alike, which their older samples do not show (SmolLM2 on
+        fa3, session 31: width 8 held for hundreds of steps at the cost of width 16)."""
+        b = bucket(bs)
         best = max(self._measured(bs), key=lambda w: self.throughput(w, bs))
-        held = self.current.get(bucket(bs))
-        if held is not None and self.costs.estimate(held, bs) is not None and \
-                self.throughput(best, bs) <= (1 + self.margin / 4) * self.throughput(held, bs):
-            best = held
-        self.current[bucket(bs)] = best
+        held = self.current.get(b)
+        if held is not None and best != held and self.costs.estimate(held, bs) is not None:
+            fresh = self.costs.newest_since(best, bs, self.steps - self.refresh_every)
+            if fresh is None:
+                self.confirming[b] = best
+                best = held
+            elif self.acceptance.expected_tokens(best) / fresh <= (1 + self.margin / 4) * self.throughput(held, bs):
+                best = held
+        self.current[b] = best
         return best
 
     def _worth_measuring(self, bs: int, chosen: int) -> Optional[int]:

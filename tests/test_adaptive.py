@@ -336,9 +336,34 @@ def test_each_chosen_step_names_the_rule_that_chose_it():
     assert choices["16@8"]["first_try"] == choices["1@8"]["first_try"] == 1 + WidthPolicy.SURE_AFTER
     assert choices["16@8"]["deep_refresh"] == 300 // 128
     assert choices["1@8"]["best"] > 250 and "refresh" not in choices["1@8"]
-    assert set().union(*choices.values()) <= {"first_try", "best", "refresh", "deep_refresh"}
+    assert set().union(*choices.values()) <= {"first_try", "best", "refresh", "deep_refresh", "confirm"}
     rates = policy.acceptance_rates()
     assert len(rates) == 15 and rates[0] < 0.2 and rates[1] == 0.5  # only draft 1 is ever judged here
+
+
+def test_another_width_replaces_the_held_one_only_on_a_sample_timed_beside_it():
+    """Seen on the GPU (SmolLM2, fa3, session 31): width 16 read slow for a stretch and width 8,
+    timed long before in a quiet one, held for hundreds of steps at c1. A width other than the held
+    one is timed again first (a ``confirm`` step); a stretch that slowed width 16 slows it too."""
+    def run(policy, rng, steps, cost):
+        chosen = []
+        for _ in range(steps):
+            w = policy.choose(1)
+            chosen.append(w)
+            policy.record(w, 1, accepted_drafts(rng, 1, w, 0.72), cost(w))
+        return chosen
+
+    rng = random.Random(7)
+    policy = WidthPolicy(16, widths=(16, 8))
+    run(policy, rng, 60, lambda w: 0.0020)  # both measured in a quiet stretch; 16 commits more
+    assert policy.current[1] == 16
+    chosen = run(policy, rng, 96, lambda w: 0.0030)  # everything 1.5x slower: 8 is no cheaper
+    assert chosen.count(8) <= 96 // policy.refresh_every + 2, chosen  # the confirm steps, not a hold
+    assert policy.choices()["8@1"].get("confirm", 0) >= 1 and policy.current[1] == 16
+    cheaper = WidthPolicy(16, widths=(16, 8))
+    run(cheaper, rng, 60, lambda w: 0.0020)
+    run(cheaper, rng, 64, lambda w: 0.0030 if w == 16 else 0.0012)  # now width 8 really is cheaper
+    assert cheaper.current[1] == 8
 
 
 def test_the_verify_widths_switch(monkeypatch):
