@@ -164,8 +164,9 @@ class WidthPolicy:
     def best_possible(self, width: int, bs: int) -> float:
         """Expected tokens per second at the least a step of ``width`` can cost (unbounded when
         nothing measured bounds it). Full width is bounded by its own smaller batches alone: a
-        narrower width is not always cheaper (SmolLM2 on fa3: width 8 at 1.6x width 16), and
-        bounded by one, width 16 went untried at a whole batch size."""
+        narrower width does not always read cheaper (SmolLM2 on fa3, session 30: width 8 read 1.6x
+        width 16 in the policy's timings), and bounded by one, width 16 went untried at a whole
+        batch size."""
         floor = self.costs.lower_bound(width, bs, self.SURE_AFTER, narrower=width < max(self.widths))
         return self.acceptance.expected_tokens(width) / floor if floor else float("inf")
 

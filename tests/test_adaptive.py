@@ -254,10 +254,11 @@ def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
 
 
 def test_narrow_widths_that_cost_more_than_full_width_are_not_kept_after_a_slow_stretch():
-    """Seen on the GPU (SmolLM2, fa3, session 30): narrower widths cost more than width 16 (the
-    step ms the policy measured: 16 about 2.8, 8 about 4.5, 4 about 6.6, 1 about 3.6), and slow
-    stretches hit every width. Width 16 first measured in a stretch, or bounded by a narrower
-    width's cost, was not tried again for hundreds of steps: 0.94-0.95x fixed 16 here before."""
+    """Seen on the GPU (SmolLM2, fa3, session 30): narrower widths read dearer than width 16 in the
+    policy's timings (16 about 2.8 ms, 8 about 4.5, 4 about 6.6, 1 about 3.6; timed in runs of
+    their own, session 31, they cost the same), and slow stretches hit every width. Width 16 first
+    measured in a stretch, or bounded by a narrower width's reading, was not tried again for
+    hundreds of steps: 0.94-0.95x fixed 16 here before."""
     levels, cost_ms = [1, 2, 4, 8, 16, 32, 64], {16: 2.8, 8: 4.5, 4: 6.0, 2: 5.0, 1: 3.6}
 
     def tokens_per_second(policy, seed, p, shortest, longest):
