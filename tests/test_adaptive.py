@@ -197,6 +197,43 @@ def test_host_bound_noisy_steps_keep_the_full_block():
         assert tokens_per_second(WidthPolicy(16), seed) >= 0.985 * tokens_per_second(None, seed)
 
 
+def host_bound_tokens_per_second(policy, seed, p, step_seconds, steps_per_level, before_step=None):
+    """Tokens per second of ``policy`` (None: fixed 16) over batch sizes 1-64 in turn. Each step
+    draws what the target would accept at any width, so a policy and fixed 16 see the same drafts
+    and the same costs: ``step_seconds(rng, width)``, after ``before_step(rng)`` if given."""
+    rng, tokens, seconds = random.Random(seed), 0, 0.0
+    for bs in [1, 2, 4, 8, 16, 32, 64]:
+        for _ in range(steps_per_level):
+            if before_step is not None:
+                before_step(rng)
+            runs = accepted_drafts(rng, bs, 16, p)
+            w = policy.choose(bs) if policy else 16
+            cost = step_seconds(rng, w)
+            lens = [min(k, w - 1) for k in runs]
+            if policy:
+                policy.record(w, bs, lens, cost)
+            tokens, seconds = tokens + sum(lens) + bs, seconds + cost
+    return tokens / seconds
+
+
+class SlowStretches:
+    """Stretches of ``shortest``-``longest`` steps where every step costs ``factor`` times as much,
+    between quiet ones ``quiet_times`` as long. Call once a step; :attr:`factor` is the step's."""
+
+    def __init__(self, factor: float, shortest: int, longest: int, quiet_times: int = 1):
+        self.slow, self.shortest, self.longest, self.quiet_times = factor, shortest, longest, quiet_times
+        self.factor, self.left = 1.0, None
+
+    def __call__(self, rng) -> None:
+        if self.left is None:
+            self.left = rng.randint(self.shortest, self.longest)
+        self.left -= 1
+        if self.left <= 0:
+            quiet = self.factor != 1.0
+            self.factor = 1.0 if quiet else self.slow
+            self.left = (self.quiet_times if quiet else 1) * rng.randint(self.shortest, self.longest)
+
+
 def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
     """Seen on the GPU (SmolLM2, triton, pinned, session 24): a step is about 3.5 ms of host work
     at every width, and now and then a late host or a scheduler turn adds several ms (one width
@@ -204,24 +241,13 @@ def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
     one unlucky sample, kept the policy on widths 2-8 at whole levels: 0.76-0.93x fixed 16 in
     this simulation, 0.82-0.88x on the GPU. Both widths see the same drafts and the same
     hiccups, so the ratio is the policy's alone."""
-    levels = [1, 2, 4, 8, 16, 32, 64]
-
-    def tokens_per_second(policy, seed, p):
-        rng, tokens, seconds = random.Random(seed), 0, 0.0
-        for bs in levels:
-            for _ in range(300):
-                runs = accepted_drafts(rng, bs, 16, p)  # what the target would accept at any width
-                cost = (3.5 + (rng.expovariate(1 / 4.0) if rng.random() < 0.3 else 0.0)) / 1000
-                w = policy.choose(bs) if policy else 16
-                lens = [min(k, w - 1) for k in runs]
-                if policy:
-                    policy.record(w, bs, lens, cost)
-                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
-        return tokens / seconds
+    def hiccups(rng, width):
+        return (3.5 + (rng.expovariate(1 / 4.0) if rng.random() < 0.3 else 0.0)) / 1000
 
     for p in (0.55, 0.72):  # about 2.2 (mt-bench) and 3.5 (gsm8k) tokens a step at width 16
         for seed in range(6):
-            assert tokens_per_second(WidthPolicy(16), seed, p) >= 0.99 * tokens_per_second(None, seed, p), (p, seed)
+            assert host_bound_tokens_per_second(WidthPolicy(16), seed, p, hiccups, 300) >= \
+                0.99 * host_bound_tokens_per_second(None, seed, p, hiccups, 300), (p, seed)
 
 
 def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
@@ -229,24 +255,10 @@ def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
     stretches of waves, and narrow widths were chosen after width 16 read slow in such a stretch.
     Here every width costs the same and stretches of 50-200 steps run 1.6x slower: a width chosen
     on a slow reading must not stay long, or the policy loses the tokens it leaves unverified."""
-    levels = [1, 2, 4, 8, 16, 32, 64]
-
     def tokens_per_second(policy, seed, p):
-        rng, tokens, seconds = random.Random(seed), 0, 0.0
-        factor, left = 1.0, rng.randint(50, 200)
-        for bs in levels:
-            for _ in range(400):
-                left -= 1
-                if left <= 0:
-                    factor, left = (1.6 if factor == 1.0 else 1.0), rng.randint(50, 200)
-                runs = accepted_drafts(rng, bs, 16, p)  # what the target would accept at any width
-                cost = 3.0 * factor * (1 + 0.1 * rng.random()) / 1000
-                w = policy.choose(bs) if policy else 16
-                lens = [min(k, w - 1) for k in runs]
-                if policy:
-                    policy.record(w, bs, lens, cost)
-                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
-        return tokens / seconds
+        stretches = SlowStretches(1.6, 50, 200)
+        return host_bound_tokens_per_second(
+            policy, seed, p, lambda rng, w: 3.0 * stretches.factor * (1 + 0.1 * rng.random()) / 1000, 400, stretches)
 
     for p in (0.55, 0.72):
         for seed in range(3):
@@ -259,25 +271,13 @@ def test_narrow_widths_that_cost_more_than_full_width_are_not_kept_after_a_slow_
     their own, session 31, they cost the same), and slow stretches hit every width. Width 16 first
     measured in a stretch, or bounded by a narrower width's reading, was not tried again for
     hundreds of steps: 0.94-0.95x fixed 16 here before."""
-    levels, cost_ms = [1, 2, 4, 8, 16, 32, 64], {16: 2.8, 8: 4.5, 4: 6.0, 2: 5.0, 1: 3.6}
+    cost_ms = {16: 2.8, 8: 4.5, 4: 6.0, 2: 5.0, 1: 3.6}
 
     def tokens_per_second(policy, seed, p, shortest, longest):
-        rng, tokens, seconds = random.Random(seed), 0, 0.0
-        factor, left = 1.0, rng.randint(shortest, longest)
-        for bs in levels:
-            for _ in range(400):
-                left -= 1
-                if left <= 0:  # quiet stretches three times as long as the slow ones
-                    factor, left = (2.0, rng.randint(shortest, longest)) if factor == 1.0 else \
-                        (1.0, 3 * rng.randint(shortest, longest))
-                runs = accepted_drafts(rng, bs, 16, p)
-                w = policy.choose(bs) if policy else 16
-                cost = cost_ms[w] * factor * (1 + 0.1 * rng.random()) / 1000
-                lens = [min(k, w - 1) for k in runs]
-                if policy:
-                    policy.record(w, bs, lens, cost)
-                tokens, seconds = tokens + sum(lens) + bs, seconds + cost
-        return tokens / seconds
+        stretches = SlowStretches(2.0, shortest, longest, quiet_times=3)
+        return host_bound_tokens_per_second(
+            policy, seed, p, lambda rng, w: cost_ms[w] * stretches.factor * (1 + 0.1 * rng.random()) / 1000, 400,
+            stretches)
 
     for shortest, longest in ((8, 30), (20, 100)):
         for p in (0.55, 0.72):
