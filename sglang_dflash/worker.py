@@ -108,7 +108,9 @@ class ContextInVerifyGraph:
 
     Every row of the block is written, accepted or not (the accept comes after the verify). A
     rejected row is never read: the next block starts at the first rejected position, and the
-    draft writes its own K/V over the block's slots before it attends to them.
+    draft writes its own K/V over the block's slots before it attends to them. The width-1
+    runner's DECODE graphs (:meth:`DFlashWorker.decode_step`) hold the write too: their one row
+    per request is the bonus, always committed. Padded rows write slot 0, SGLang's dummy slot.
     """
 
     def __init__(self, write_context_kv):
@@ -116,8 +118,9 @@ class ContextInVerifyGraph:
         self.runners: set[int] = set()  # graph runners whose verify graphs hold the write
 
     def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
-        if runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
-            return
+        mode = forward_batch.forward_mode
+        if runner.model_runner.is_draft_worker or not (mode.is_target_verify() or mode.is_decode()):
+            return  # the target's DECODE graphs under DFLASH are the width-1 runner's alone
         hidden = getattr(out, "hidden_states", None)
         if hidden is None:
             return
@@ -659,7 +662,8 @@ class DFlashWorker(BaseSpecWorker):
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        return out.logits_output, out.can_run_cuda_graph, False  # DECODE graphs do not write the context
+        written = self.context_in_graph is not None and self.context_in_graph.wrote(graphs, out.can_run_cuda_graph)
+        return out.logits_output, out.can_run_cuda_graph, written
 
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
                     penalty_rows: Optional[torch.Tensor] = None) -> Accepted:

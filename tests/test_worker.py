@@ -748,9 +748,10 @@ def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monke
     assert eager == ({} if runner == "graph" else {1: 1}) and worker.decode_steps == 1
 
 
-def test_the_targets_verify_graphs_write_the_draft_context_of_every_row():
-    """The capture-tail hook writes the tapped hidden states of every verify row at its position
-    and slot, in the target's TARGET_VERIFY graphs only, and marks the runner whose graphs hold it."""
+def test_the_targets_verify_and_width_one_decode_graphs_write_the_draft_context_of_every_row():
+    """The capture-tail hook writes the tapped hidden states of every row at its position and
+    slot, in the target's TARGET_VERIFY graphs and its DECODE graphs (width 1) but not in the
+    draft's, and marks the runners whose graphs hold it."""
     from sglang_dflash.worker import ContextInVerifyGraph
 
     written = []
@@ -762,22 +763,29 @@ def test_the_targets_verify_graphs_write_the_draft_context_of_every_row():
     decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, positions=torch.tensor([5, 9]),
                              out_cache_loc=torch.tensor([40, 70]))
     hidden = torch.arange(8.0).view(4, 2)
+    width_one = SimpleNamespace(model_runner=target.model_runner)
+    extend = SimpleNamespace(forward_mode=ForwardMode.EXTEND, positions=torch.tensor([5, 6]),
+                             out_cache_loc=torch.tensor([40, 41]))
     hook.capture_hook(draft, SimpleNamespace(hidden_states=hidden), verify, 4)  # the draft's own graphs
-    hook.capture_hook(target, SimpleNamespace(hidden_states=hidden[:2]), decode, 2)  # width 1 as a decode
+    hook.capture_hook(target, SimpleNamespace(hidden_states=hidden[:2]), extend, 2)  # a prefill graph
     hook.capture_hook(target, SimpleNamespace(hidden_states=None), verify, 4)  # no tapped states captured
     assert written == [] and not hook.wrote(target, True)
     hook.capture_hook(target, SimpleNamespace(hidden_states=hidden), verify, 4)
     assert written == [[hidden.tolist(), [5, 6, 9, 10], [40, 41, 70, 71]]]  # all rows: no accept yet
     assert hook.wrote(target, True) and not hook.wrote(target, False) and not hook.wrote(draft, True)
+    assert not hook.wrote(width_one, True)
+    hook.capture_hook(width_one, SimpleNamespace(hidden_states=hidden[:2]), decode, 2)  # width 1 as a decode
+    assert written[1:] == [[hidden[:2].tolist(), [5, 9], [40, 70]]] and hook.wrote(width_one, True)
 
 
+@pytest.mark.parametrize("decodes", [True, False])
 @pytest.mark.parametrize("runner", ["graph", "eager"])
-def test_a_step_whose_verify_graph_wrote_the_context_does_not_write_it_again(monkeypatch, runner):
-    """The step commits the draft context itself only when its verify did not replay a graph
-    holding the write (eager verify, or a runner captured without it); the tokens are the same."""
+def test_a_step_whose_verify_graph_wrote_the_context_does_not_write_it_again(monkeypatch, runner, decodes):
+    """The step commits the draft context itself only when its verify (or width-1 decode) did not
+    replay a graph holding the write (eager, or a runner captured without it); the tokens are the same."""
     from sglang_dflash.worker import ContextInVerifyGraph, DFlashWorker
 
-    worker, batch, log, (_, graphs), written = whole_step_worker(monkeypatch, runner, decodes=False)
+    worker, batch, log, (_, graphs), written = whole_step_worker(monkeypatch, runner, decodes)
     worker.context_in_graph = ContextInVerifyGraph(worker.write_context_kv)
     worker.context_in_graph.runners.add(id(graphs))  # the width-1 runner's graphs were captured with it
     result = DFlashWorker.forward_batch_generation(worker, batch)
