@@ -2,6 +2,7 @@
 with the most committed tokens per second of step time."""
 
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -110,10 +111,16 @@ def test_the_policy_settles_on_the_width_a_known_cost_model_calls_best(bs, p, be
     assert {16, 1, best} <= set(used)  # the extremes bound the rest; a width that cannot win is skipped
 
 
-def test_the_deeper_positions_are_refreshed_at_full_width():
+@pytest.mark.parametrize("p, deep", [(0.3, 8), (0.01, 2)])
+def test_the_deeper_positions_are_refreshed_at_full_width_where_it_could_win(p, deep):
+    """Every ``8 * refresh_every`` steps: full width while it could beat the held width with every
+    draft after the first accepted (p = 0.3: width 2 held); else width 2, which measures the first
+    draft's rate, the bound of every deeper one (p = 0.01: width 1 held)."""
     policy = WidthPolicy(8, refresh_every=10)
-    run_policy(policy, 4, 0.01, lambda w, b: 1.0 + 0.1 * w, 400, random.Random(2))
-    assert policy.widths_used()[8] >= 400 // 80
+    run_policy(policy, 4, p, lambda w, b: 1.0 + 0.1 * w, 400, random.Random(2))
+    deep_steps = {w: rules.get("deep_refresh", 0) for w, rules in
+                  ((int(k.split("@")[0]), rules) for k, rules in policy.choices().items())}
+    assert deep_steps[deep] >= 400 // 80 - 1 and sum(deep_steps.values()) == deep_steps[deep], deep_steps
 
 
 def test_when_every_draft_is_accepted_almost_every_step_verifies_the_whole_block():
@@ -165,14 +172,19 @@ def test_with_no_draft_accepted_the_policy_stays_within_one_and_a_half_percent_o
     """The rig's random weights: width 1 (a verify of the bonus alone) at each bucket's cost. Seen
     on the GPU (triton, session 16): re-measuring every width within 20% of the choice kept
     widths 2-16 in 14% of the steps; the policy lost 1.8% here then."""
-    policy = WidthPolicy(16)
-    rng = random.Random(5)
-    spent = []
-    record = policy.record
-    policy.record = lambda w, bs, lens, seconds: spent.append((w, bs, seconds)) or record(w, bs, lens, seconds)
-    run_levels(policy, 0.0, RIG_RANDOM_MS, [1, 8, 32, 64], rng)
-    width_1_only = sum(rig_ms(RIG_RANDOM_MS, 1, bs) / 1000 for _, bs, _ in spent)
-    assert sum(seconds for _, _, seconds in spent) <= 1.015 * 1.025 * width_1_only  # 1.025: the noise's mean
+    ratios = []
+    for seed in range(6):
+        policy = WidthPolicy(16)
+        rng = random.Random(seed)
+        spent = []
+        record = policy.record
+        policy.record = lambda w, bs, lens, seconds: spent.append((w, bs, seconds)) or record(w, bs, lens, seconds)
+        run_levels(policy, 0.0, RIG_RANDOM_MS, [1, 8, 32, 64], rng)
+        width_1_only = sum(rig_ms(RIG_RANDOM_MS, 1, bs) / 1000 for _, bs, _ in spent)
+        ratios.append(sum(seconds for _, _, seconds in spent) / width_1_only)
+    # 1.025: the noise's mean. The policy of session 31 spent 1.043x (full-width deep refreshes at
+    # bs 64, each 2.7x a width-1 step).
+    assert statistics.mean(ratios) <= 1.015 * 1.025, ratios
 
 
 def test_host_bound_noisy_steps_keep_the_full_block():
@@ -335,7 +347,7 @@ def test_each_chosen_step_names_the_rule_that_chose_it():
     assert {k: sum(r.values()) for k, r in choices.items()} == {f"{w}@8": n for w, n in policy.widths_used().items()}
     # a first step is not timed, and a width is judged by its cost once timed SURE_AFTER times
     assert choices["16@8"]["first_try"] == choices["1@8"]["first_try"] == 1 + WidthPolicy.SURE_AFTER
-    assert choices["16@8"]["deep_refresh"] == 300 // 128
+    assert choices["2@8"]["deep_refresh"] == 300 // 128  # full width could not win: width 2 measures draft 1
     assert choices["1@8"]["best"] > 250 and "refresh" not in choices["1@8"]
     assert set().union(*choices.values()) <= {"first_try", "best", "refresh", "deep_refresh", "confirm"}
     rates = policy.acceptance_rates()
