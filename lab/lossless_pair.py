@@ -20,9 +20,10 @@ and budgets inside verify blocks and must match AR's tokens and finish reasons; 
 be back to 0 afterwards. Exit 1 on any mismatch.
 
 ``--context-ab N`` also starts the plugin with the draft context written by eager launches after
-the accept (``SGLANG_DFLASH_CONTEXT_IN_GRAPH=0``) and sends the first N greedy prompts one at a time
-to both plugin servers: the drafts must be the same, so every request must take as many verify
-steps on either (the in-graph write also fills rejected rows, which must never be read).
+the accept (``SGLANG_DFLASH_CONTEXT_IN_GRAPH=0``) and first sends the first N greedy prompts one at
+a time to both plugin servers: the drafts must be the same, so every request must take as many
+verify steps on either (the in-graph write also fills rejected rows, which must never be read).
+Sent before anything else, they meet the same widths on both under ``--width-policy cycle``.
 """
 
 import argparse
@@ -180,13 +181,9 @@ def main():
     try:
         start_together(list(servers.values()))  # fixed pools: no start can shrink another's
         save(stage="servers up")
-        with ThreadPoolExecutor(len(checked)) as pool:
-            outs = dict(zip(checked, pool.map(
-                lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
-                [servers[k] for k in checked])))
-        plugin_info = server_info(servers["plugin"].url).get("dflash")
-        plain_info = server_info(servers["plugin-plain"].url).get("dflash") if args.plain_too else None
         if args.context_ab:
+            # First, while both plugin servers have run nothing: a width policy that cycles by step
+            # count (and the forced fallback) then takes the same widths on both, step by step.
             save(stage="context a/b")
             one_by_one = greedy[: args.context_ab]
             with ThreadPoolExecutor(2) as pool:
@@ -197,6 +194,12 @@ def main():
             save(context_ab={"prompts": len(one_by_one), "requests_with_other_verify_steps": len(differ),
                              "first": differ[:10], "verify_steps": {k: sum(v) for k, v in steps.items()},
                              "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(*ab.values()))})
+        with ThreadPoolExecutor(len(checked)) as pool:
+            outs = dict(zip(checked, pool.map(
+                lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
+                [servers[k] for k in checked])))
+        plugin_info = server_info(servers["plugin"].url).get("dflash")
+        plain_info = server_info(servers["plugin-plain"].url).get("dflash") if args.plain_too else None
     finally:
         stop_all(list(servers.values()))
     main_result = compare(outs["ar"], outs["plugin"])
