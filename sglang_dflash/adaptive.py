@@ -136,9 +136,10 @@ class WidthPolicy:
     costs: the deeper positions' acceptance is only seen there, and without it a workload that
     turns easy would stay narrow; where even every draft after the first accepted could not pay
     for it, a width-2 step measures the first draft instead (:meth:`_deep_width`). A new choice
-    must beat the current one by ``margin / 4``, so near-equal widths do not flip on noise. Once settled, a bucket's choice is reconsidered every
-    ``decide_every`` steps and at each scheduled re-measurement, not every step: on a host-bound
-    pair the policy's own host time is a share of the step."""
+    must beat the current one by ``margin / 4``, so near-equal widths do not flip on noise. Once
+    settled, a bucket's choice is reconsidered every ``decide_every`` steps and at each scheduled
+    re-measurement, not every step: on a host-bound pair the policy's own host time is a share of
+    the step."""
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
 

@@ -115,7 +115,7 @@ class ContextInVerifyGraph:
 
     def __init__(self, write_context_kv):
         self.write_context_kv = write_context_kv
-        self.runners: set[int] = set()  # graph runners whose verify graphs hold the write
+        self.runners: set[int] = set()  # graph runners whose graphs (verify, or width-1 decode) hold the write
 
     def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
         mode = forward_batch.forward_mode
