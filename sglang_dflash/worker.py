@@ -598,8 +598,7 @@ class DFlashWorker(BaseSpecWorker):
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        written = self.context_in_graph is not None and self.context_in_graph.wrote(
-            self.model_runner.decode_cuda_graph_runner, out.can_run_cuda_graph)
+        written = self.graphs_wrote_context(self.model_runner.decode_cuda_graph_runner, out.can_run_cuda_graph)
         return out.logits_output, out.can_run_cuda_graph, written
 
     def ragged_lane_widths(self, batch, width: int, request_widths: Optional[tuple],
@@ -662,8 +661,11 @@ class DFlashWorker(BaseSpecWorker):
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        written = self.context_in_graph is not None and self.context_in_graph.wrote(graphs, out.can_run_cuda_graph)
-        return out.logits_output, out.can_run_cuda_graph, written
+        return out.logits_output, out.can_run_cuda_graph, self.graphs_wrote_context(graphs, out.can_run_cuda_graph)
+
+    def graphs_wrote_context(self, runner, ran_graph: bool) -> bool:
+        """Whether the target forward that just ran wrote the draft context (:class:`ContextInVerifyGraph`)."""
+        return self.context_in_graph is not None and self.context_in_graph.wrote(runner, ran_graph)
 
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
                     penalty_rows: Optional[torch.Tensor] = None) -> Accepted:
