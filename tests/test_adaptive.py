@@ -3,6 +3,7 @@ with the most committed tokens per second of step time."""
 
 import random
 import statistics
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -118,8 +119,7 @@ def test_the_deeper_positions_are_refreshed_at_full_width_where_it_could_win(p, 
     draft's rate, the bound of every deeper one (p = 0.01: width 1 held)."""
     policy = WidthPolicy(8, refresh_every=10)
     run_policy(policy, 4, p, lambda w, b: 1.0 + 0.1 * w, 400, random.Random(2))
-    deep_steps = {w: rules.get("deep_refresh", 0) for w, rules in
-                  ((int(k.split("@")[0]), rules) for k, rules in policy.choices().items())}
+    deep_steps = Counter({w: n for (_, w, why), n in policy.reasons.items() if why == "deep_refresh"})
     assert deep_steps[deep] >= 400 // 80 - 1 and sum(deep_steps.values()) == deep_steps[deep], deep_steps
 
 
