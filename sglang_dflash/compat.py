@@ -416,7 +416,6 @@ class SGLangRelease:
             Symbol(spec + "dflash_info_v2", "DFlashDraftInputV2." + self.reserved_lens_field),
             Symbol(spec + "draft_worker_common", "build_draft_tp_worker",
                    ("server_args", "gpu_id", "nccl_port", "target_model_config", "algo_label") + ps),
-            Symbol(spec + "draft_worker_common", "make_draft_input_v2", ("bonus_tokens", "new_seq_lens")),
             Symbol(spec + "spec_info", "SpeculativeAlgorithm"),
             Symbol(spec + "spec_utils", "GrammarTree.from_linear_chain"),
             Symbol(spec + "spec_utils", "build_grammar_vocab_mask",

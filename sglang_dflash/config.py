@@ -22,6 +22,9 @@ FUSED_CONTEXT_KV_ENV = "SGLANG_DFLASH_FUSED_CONTEXT_KV"  # 0 = draft context K/V
 # 0 = each step's draft context K/V written by eager launches after the accept, not inside the
 # target's verify CUDA graphs (A/B runs).
 CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
+# 0 = the scheduler's per-step KV reservation through SGLang's own DFlashDraftInputV2 code, not the
+# plugin's, which fills the host lengths in bulk (draft_input.py; A/B runs).
+BULK_PREPARE_ENV = "SGLANG_DFLASH_BULK_PREPARE"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -57,6 +60,10 @@ def fused_context_kv() -> bool:
 
 def context_in_verify_graph() -> bool:
     return os.environ.get(CONTEXT_IN_GRAPH_ENV, "1") != "0"
+
+
+def bulk_prepare() -> bool:
+    return os.environ.get(BULK_PREPARE_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

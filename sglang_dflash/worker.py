@@ -31,11 +31,12 @@ through a request table of its own (:class:`~sglang_dflash.draft.DraftWindow`); 
 everything. The draft side's parts (block, buffers, window, greedy head) live in ``draft.py``.
 
 KV slots: the scheduler reserves ``committed + 2B`` slots per request ahead of each step
-(``DFlashDraftInputV2.prepare_for_decode``); target and draft KV share that index space, and the
-next step overwrites any rejected tail, so nothing is freed or leaked per step.
+(``DFlashDraftInputV2.prepare_for_decode``, in bulk where ``draft_input.py`` repeats it); target and
+draft KV share that index space, and the next step overwrites any rejected tail, so nothing is
+freed or leaked per step.
 
-The scheduler-facing data classes (``DFlashDraftInputV2``, ``DFlashVerifyInput``) are SGLang's:
-the scheduler, FutureMap and attention backends branch on their types.
+The scheduler-facing data classes (``DFlashDraftInputV2``, ``DFlashVerifyInput``) are SGLang's (the
+draft input at most a subclass): the scheduler, FutureMap and attention backends branch on their types.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.runtime_context import get_exec, get_parallel
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
@@ -67,6 +66,7 @@ from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
                      draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, widths_by_default,
                      width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
+from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
 from .ops.ragged import RaggedLanes
@@ -198,10 +198,10 @@ class DFlashWorker(BaseSpecWorker):
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH is served by sglang-dflash (SGLang %s, %s): block_size=%d, mask_token_id=%d, "
-                "draft layers=%d (%s), target_layer_ids=%s, draft attention backend=%s",
+                "draft layers=%d (%s), target_layer_ids=%s, draft attention backend=%s, KV reservation %s",
                 self.release.version, self.release.family, self.block_size, self.mask_token_id, self.config.num_hidden_layers,
                 ",".join(sorted(set(self.config.layer_types))), list(self.config.target_layer_ids),
-                bundle.resolved_attention_backend,
+                bundle.resolved_attention_backend, "in bulk" if bulk_prepare_serves() else "SGLang's own",
             )
 
     def _adaptive_width_unserved(self, server_args) -> Optional[str]:
@@ -314,7 +314,7 @@ class DFlashWorker(BaseSpecWorker):
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
                 "prefills": self.prefills, "prefills_in_graphs": self.prefills_in_graphs,
-                "stalls": self.stalls.report(),
+                "stalls": self.stalls.report(), "bulk_prepare": bulk_prepare_serves(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         if self.draft_head is not None and self.draft_head.rows_read is not None:
             info["draft_vocab"] = {"rows": self.draft_head.rows_read, "rebuilds": self.draft_head.vocab.rebuilds}
@@ -355,7 +355,7 @@ class DFlashWorker(BaseSpecWorker):
             self.pauses.mark_serving()  # full collections from here on hold requests up
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
-            batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
+            batch.spec_info = draft_input_class().create_idle_input(device=self.device)
         if mode == "idle":
             self.last_step_end = None
             return self._idle_result(on_publish)
@@ -404,7 +404,7 @@ class DFlashWorker(BaseSpecWorker):
             next_token_ids=accepted.out_tokens.reshape(-1),
             accept_lens=accepted.commit_len,
             can_run_cuda_graph=can_run_graph,
-            next_draft_input=make_draft_input_v2(bonus_tokens=accepted.bonus, new_seq_lens=accepted.new_seq_lens),
+            next_draft_input=make_draft_input(bonus_tokens=accepted.bonus, new_seq_lens=accepted.new_seq_lens),
             speculative_num_draft_tokens=width,  # the row stride of next_token_ids
             new_seq_lens=accepted.new_seq_lens,
         )
@@ -483,7 +483,7 @@ class DFlashWorker(BaseSpecWorker):
         self.write_context_kv(hidden, extend_positions(batch.prefix_lens, batch.extend_lens, self.device),
                               batch.out_cache_loc)
         result.logits_output.hidden_states = None
-        result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
+        result.next_draft_input = make_draft_input(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
 
     def draft_step(self, batch, bufs: dict, width: Optional[int] = None) -> DraftBlock:
@@ -750,7 +750,7 @@ class DFlashWorker(BaseSpecWorker):
             logits_output=None,
             next_token_ids=empty,
             accept_lens=torch.empty((0,), dtype=torch.int32, device=self.device),
-            next_draft_input=make_draft_input_v2(bonus_tokens=empty, new_seq_lens=empty),
+            next_draft_input=make_draft_input(bonus_tokens=empty, new_seq_lens=empty),
             can_run_cuda_graph=False,
             speculative_num_draft_tokens=self.block_size,
             new_seq_lens=empty,

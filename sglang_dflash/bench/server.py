@@ -37,6 +37,10 @@ IMPLEMENTATIONS = {
     # the write inside the target's verify graphs).
     "plugin-eager-context": (["--speculative-algorithm", "DFLASH"],
                              {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}),
+    # The plugin carrying SGLang's own draft input, whose per-step KV reservation writes the host
+    # lengths one by one (A/B of SGLANG_DFLASH_BULK_PREPARE's default).
+    "plugin-sglang-prepare": (["--speculative-algorithm", "DFLASH"],
+                              {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BULK_PREPARE": "0"}),
     # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
     "plugin-full-vocab": (["--speculative-algorithm", "DFLASH"],
                           {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_DRAFT_VOCAB": "full"}),
@@ -48,8 +52,8 @@ IMPLEMENTATIONS = {
                     {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-fixed", "adaptive-ragged", "plugin-eager-context", "plugin-full-vocab",
-                "plugin-fp8", "builtin-fp8")
+DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-fixed", "adaptive-ragged", "plugin-eager-context",
+                "plugin-sglang-prepare", "plugin-full-vocab", "plugin-fp8", "builtin-fp8")
 
 
 def is_implementation(name: str) -> bool:
