@@ -642,7 +642,9 @@ class DFlashWorker(BaseSpecWorker):
         """Width 1 as a plain decode step: the bonus token through the target's decode kernels and
         DECODE graphs, returning what the 1-token verify would (logits and tapped hidden states
         of one row per request). Decode lengths count the token decoded, so its position is the
-        committed length, as in the verify."""
+        committed length, as in the verify. The model runner plans the forward, in the width-1
+        graphs or eagerly, as for a plain decode step: planned here too, the graph replay would
+        copy its inputs a second time."""
         saved = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info
         batch.input_ids, batch.forward_mode, batch.spec_info = block.candidates[:, 0], ForwardMode.DECODE, None
         batch.out_cache_loc = block.cache_loc.view(-1)
@@ -652,16 +654,9 @@ class DFlashWorker(BaseSpecWorker):
         forward_batch = ForwardBatch.init_new(batch, mr, capture_hidden_mode=CaptureHiddenMode.FULL,
                                               return_hidden_states_before_norm=False)
         batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info = saved  # committed, for the accept
-        graphs = mr.decode_cuda_graph_runner
-        can_run_graph = bool(graphs and graphs.can_run_graph(forward_batch))
-        if can_run_graph:
-            graphs.load_batch(forward_batch)
-        else:
-            mr.attn_backend.init_forward_metadata(forward_batch)
-        out = self._target_worker.forward_batch_generation(
-            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
-        )
-        return out.logits_output, out.can_run_cuda_graph, self.graphs_wrote_context(graphs, out.can_run_cuda_graph)
+        out = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
+        wrote = self.graphs_wrote_context(mr.decode_cuda_graph_runner, out.can_run_cuda_graph)
+        return out.logits_output, out.can_run_cuda_graph, wrote
 
     def graphs_wrote_context(self, runner, ran_graph: bool) -> bool:
         """Whether the target forward that just ran wrote the draft context (:class:`ContextInVerifyGraph`)."""

@@ -635,8 +635,18 @@ def width_one_worker(monkeypatch, runner: str, decodes: bool = True):
 
     monkeypatch.setattr(worker_mod, "ForwardBatch", SimpleNamespace(init_new=init_new))
 
-    def forward_batch_generation(batch, forward_batch, is_verify, skip_attn_backend_init):
-        assert batch is None and is_verify and skip_attn_backend_init
+    def forward_batch_generation(batch, forward_batch, is_verify, skip_attn_backend_init=None):
+        assert batch is None and is_verify
+        # A verify is planned beforehand (prepare_for_verify). A DECODE forward is planned by the
+        # model runner, as for plain decoding: by the graph runner in place if it takes the batch.
+        planned_before = getattr(forward_batch, "verify_planned", False)
+        assert skip_attn_backend_init == (True if planned_before else None)
+        if not planned_before:
+            now = mr.decode_cuda_graph_runner
+            if now is not None and now.can_run_graph(forward_batch):
+                now.load_batch(forward_batch)
+            else:
+                mr.attn_backend.init_forward_metadata(forward_batch)
         log.forwards.append(forward_batch)
         return fake_target_forward(forward_batch, (mr.attn_backend, mr.decode_cuda_graph_runner), log.pairs)
 
@@ -708,7 +718,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
             self.draft_token, self.positions = draft_token, positions
 
         def prepare_for_verify(self, batch, target_worker):
-            return SimpleNamespace(input_ids=self.draft_token, positions=self.positions), None
+            return SimpleNamespace(input_ids=self.draft_token, positions=self.positions, verify_planned=True), None
 
     monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(worker_mod, "accept_block", torch_accept_block)
