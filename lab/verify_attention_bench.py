@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""The target verify's attention on the Triton backend, kernel against kernel: SGLang's extend
+kernel (what a DFLASH verify runs on NVIDIA) and its split-KV verify kernel (enabled by SGLang on
+gfx95 only), on the 8B-shape rig's heads (32 query, 8 KV, dim 128), a block of 16 per request.
+
+    python3 lab/verify_attention_bench.py OUT.json [--dtype bfloat16|float32]
+
+Per batch size and context: microseconds per call (median of CUDA-event timings, each over 50
+calls), the split-KV kernel at 4 splits (an eager verify's short-context choice) and at 16 (a
+CUDA-graph capture, whose index buffer is sized for the longest context), and the largest
+difference of either output from the extend kernel's and from a float64 reference.
+"""
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
+
+HQ, HKV, D, W = 32, 8, 128, 16
+
+
+def problem(bs, lo, hi, dtype, gen):
+    prefix = torch.randint(lo, hi + 1, (bs,), generator=gen)
+    slots = int(prefix.sum()) + 64
+    kb = torch.randn(slots, HKV, D, generator=gen).to("cuda", dtype)
+    vb = torch.randn(slots, HKV, D, generator=gen).to("cuda", dtype)
+    kv_indices = torch.randperm(slots, generator=gen)[: int(prefix.sum())].to("cuda", torch.int64)
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    kv_indptr[1:] = prefix.cumsum(0)
+    qo_indptr = torch.arange(0, (bs + 1) * W, W, dtype=torch.int32)
+    q = torch.randn(bs * W, HQ, D, generator=gen).to("cuda", dtype)
+    k = torch.randn(bs * W, HKV, D, generator=gen).to("cuda", dtype)
+    v = torch.randn(bs * W, HKV, D, generator=gen).to("cuda", dtype)
+    return dict(q=q, k=k, v=v, kb=kb, vb=vb, qo=qo_indptr.cuda(), kvp=kv_indptr.cuda(), kvi=kv_indices,
+                prefix=prefix)
+
+
+def reference(p):
+    """float64: each query attends to its request's prefix and to the block up to itself."""
+    out = torch.empty(p["q"].shape, dtype=torch.float64, device="cuda")
+    scale = 1 / math.sqrt(D)
+    kvp = p["kvp"].tolist()
+    for b in range(len(p["prefix"])):
+        idx = p["kvi"][kvp[b]:kvp[b + 1]]
+        rows = slice(b * W, (b + 1) * W)
+        keys = torch.cat([p["kb"][idx], p["k"][rows]]).double().repeat_interleave(HQ // HKV, 1)
+        vals = torch.cat([p["vb"][idx], p["v"][rows]]).double().repeat_interleave(HQ // HKV, 1)
+        s = torch.einsum("qhd,khd->hqk", p["q"][rows].double(), keys) * scale
+        n = len(idx)
+        causal = torch.ones(W, n + W, dtype=torch.bool, device="cuda").tril(n)
+        s = s.masked_fill(~causal, float("-inf"))
+        out[rows] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vals)
+    return out
+
+
+def run_extend(p, o):
+    extend_attention_fwd(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["qo"], p["kvp"], p["kvi"], None, True,
+                         p["mask_indptr"], W, 1.0, 1.0, 1 / math.sqrt(D))
+
+
+def run_split(p, o, kvi):
+    ran = verify_splitkv_fwd(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["qo"], p["kvp"], kvi, None, True,
+                             p["mask_indptr"], W, 1.0, 1.0, 1 / math.sqrt(D), max_bs=len(p["prefix"]))
+    assert ran, "verify_splitkv_fwd declined the problem"
+
+
+def time_us(fn, calls=50, reps=7):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for bs, lo, hi in [(1, 128, 384), (8, 128, 384), (32, 128, 384), (64, 128, 384), (8, 1024, 4096),
+                       (32, 1024, 4096)]:
+        p = problem(bs, lo, hi, dtype, gen)
+        p["mask_indptr"] = torch.zeros(bs + 1, dtype=torch.int64, device="cuda")
+        # 16 splits: the index buffer as a CUDA graph holds it, sized past 8192 tokens a request
+        kvi_graph = torch.zeros(bs * 8192, dtype=torch.int64, device="cuda")
+        kvi_graph[: p["kvi"].numel()] = p["kvi"]
+        o_ext, o_s4, o_s16 = (torch.empty_like(p["q"]) for _ in range(3))
+        row = {"bs": bs, "context": [lo, hi], "dtype": args.dtype,
+               "extend_us": time_us(lambda: run_extend(p, o_ext)),
+               "split4_us": time_us(lambda: run_split(p, o_s4, p["kvi"])),
+               "split16_us": time_us(lambda: run_split(p, o_s16, kvi_graph))}
+        ref = reference(p)
+        for name, o in (("extend", o_ext), ("split4", o_s4), ("split16", o_s16)):
+            row[f"{name}_max_err_vs_f64"] = float((o.double() - ref).abs().max())
+        row["split4_max_diff_vs_extend"] = float((o_s4.float() - o_ext.float()).abs().max())
+        row["split16_max_diff_vs_extend"] = float((o_s16.float() - o_ext.float()).abs().max())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        json.dump({"device": torch.cuda.get_device_name(), "heads": [HQ, HKV, D], "block": W, "rows": rows},
+                  open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
