@@ -15,8 +15,9 @@ import sglang.srt.speculative.dflash_info_v2 as dflash_info_v2  # noqa: E402
 from sglang_dflash import draft_input  # noqa: E402
 from sglang_dflash.draft_input import DraftInput, draft_input_class, make_draft_input, source_digest  # noqa: E402
 
-SGLANG_REPEATED = source_digest(dflash_info_v2.DFlashDraftInputV2.prepare_for_decode) in \
-    draft_input.PREPARE_FOR_DECODE_SOURCES
+needs_repeated_source = pytest.mark.skipif(
+    source_digest(dflash_info_v2.DFlashDraftInputV2.prepare_for_decode) not in draft_input.PREPARE_FOR_DECODE_SOURCES,
+    reason="this SGLang's prepare_for_decode is not the one DraftInput repeats")
 
 
 def fake_batch(committed, allocated, top_ks, page_size):
@@ -59,7 +60,7 @@ def after_prepare(cls, batch, calls):
             "uniform_top_k": info.uniform_top_k_value, "decode_batch_idx": [r.decode_batch_idx for r in batch.reqs]}
 
 
-@pytest.mark.skipif(not SGLANG_REPEATED, reason="this SGLang's prepare_for_decode is not the one DraftInput repeats")
+@needs_repeated_source
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("top_ks", [[-1] * 5, [20, 20, 5, 20, 1]])
 def test_bulk_prepare_reserves_what_sglang_reserves(cpu_prepare, page_size, top_ks):
@@ -71,7 +72,7 @@ def test_bulk_prepare_reserves_what_sglang_reserves(cpu_prepare, page_size, top_
     assert ours["decode_batch_idx"] == [5] * 5 and ours["seq_lens_cpu"] == committed
 
 
-@pytest.mark.skipif(not SGLANG_REPEATED, reason="this SGLang's prepare_for_decode is not the one DraftInput repeats")
+@needs_repeated_source
 def test_draft_inputs_are_the_bulk_class_where_it_repeats_sglang(monkeypatch):
     draft_input_class.cache_clear()
     try:
