@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """The target verify's attention on the Triton backend, kernel against kernel: SGLang's extend
-kernel (what a DFLASH verify runs on NVIDIA) and its split-KV verify kernel (enabled by SGLang on
-gfx95 only), on the 8B-shape rig's heads (32 query, 8 KV, dim 128), a block of 16 per request.
+kernel (what a DFLASH verify runs on NVIDIA without the plugin's), its split-KV verify kernel
+(enabled by SGLang on gfx95 only) and the plugin's block kernel (``ops.block_attention``), on the
+8B-shape rig's heads (32 query, 8 KV, dim 128), a block of 16 per request.
 
-    python3 lab/verify_attention_bench.py OUT.json [--dtype bfloat16|float32]
+    python3 lab/verify_attention_bench.py OUT.json [--dtype bfloat16|float32] [--no-split-kv]
 
 Per batch size and context: microseconds per call (median of CUDA-event timings, each over 50
 calls), the split-KV kernel at 4 splits (an eager verify's short-context choice) and at 16 (a
-CUDA-graph capture, whose index buffer is sized for the longest context), and the largest
-difference of either output from the extend kernel's and from a float64 reference.
+CUDA-graph capture, whose index buffer is sized for the longest context), the block kernel at
+its default split count and at 1, 2, 4 and 8, and the largest difference of each output from
+the extend kernel's and from a float64 reference.
 """
 
 import argparse
@@ -20,6 +22,8 @@ import torch
 
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
+
+from sglang_dflash.ops.block_attention import block_attention, default_splits
 
 HQ, HKV, D, W = 32, 8, 128, 16
 
@@ -69,6 +73,11 @@ def run_split(p, o, kvi):
     assert ran, "verify_splitkv_fwd declined the problem"
 
 
+def run_block(p, o, splits):
+    block_attention(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["kvp"], p["kvi"], W, 1 / math.sqrt(D), True,
+                    splits=splits)
+
+
 def time_us(fn, calls=50, reps=7):
     fn()
     torch.cuda.synchronize()
@@ -88,6 +97,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--no-split-kv", action="store_true", help="leave SGLang's split-KV kernel out")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -99,16 +109,24 @@ def main():
         # 16 splits: the index buffer as a CUDA graph holds it, sized past 8192 tokens a request
         kvi_graph = torch.zeros(bs * 8192, dtype=torch.int64, device="cuda")
         kvi_graph[: p["kvi"].numel()] = p["kvi"]
-        o_ext, o_s4, o_s16 = (torch.empty_like(p["q"]) for _ in range(3))
+        o_ext = torch.empty_like(p["q"])
         row = {"bs": bs, "context": [lo, hi], "dtype": args.dtype,
-               "extend_us": time_us(lambda: run_extend(p, o_ext)),
-               "split4_us": time_us(lambda: run_split(p, o_s4, p["kvi"])),
-               "split16_us": time_us(lambda: run_split(p, o_s16, kvi_graph))}
+               "extend_us": time_us(lambda: run_extend(p, o_ext))}
+        outs = {"extend": o_ext}
+        if not args.no_split_kv:
+            outs["split4"], outs["split16"] = torch.empty_like(p["q"]), torch.empty_like(p["q"])
+            row["split4_us"] = time_us(lambda: run_split(p, outs["split4"], p["kvi"]))
+            row["split16_us"] = time_us(lambda: run_split(p, outs["split16"], kvi_graph))
+        row["block_default_splits"] = default_splits(bs, HKV, p["q"].device)
+        for splits in (None, 1, 2, 4, 8):
+            name = "block" if splits is None else f"block_s{splits}"
+            outs[name] = torch.empty_like(p["q"])
+            row[f"{name}_us"] = time_us(lambda: run_block(p, outs[name], splits))
         ref = reference(p)
-        for name, o in (("extend", o_ext), ("split4", o_s4), ("split16", o_s16)):
+        for name, o in outs.items():
             row[f"{name}_max_err_vs_f64"] = float((o.double() - ref).abs().max())
-        row["split4_max_diff_vs_extend"] = float((o_s4.float() - o_ext.float()).abs().max())
-        row["split16_max_diff_vs_extend"] = float((o_s16.float() - o_ext.float()).abs().max())
+            if name != "extend":
+                row[f"{name}_max_diff_vs_extend"] = float((o.float() - o_ext.float()).abs().max())
         rows.append(row)
         print(json.dumps(row), flush=True)
         json.dump({"device": torch.cuda.get_device_name(), "heads": [HQ, HKV, D], "block": W, "rows": rows},

@@ -204,12 +204,14 @@ class SGLangRelease:
         """Whether a width-1 step runs as a plain DECODE forward on this target attention backend."""
         return type(attn_backend).__name__ in DECODE_AT_WIDTH_ONE
 
-    def build_width_runners(self, model_runner, widths, capture: bool, decode_width_one: bool = False) -> dict:
+    def build_width_runners(self, model_runner, widths, capture: bool, decode_width_one: bool = False,
+                            on_backend=None) -> dict:
         """For each verify width: a target attention backend of its own and, with decode graphs
         on, a graph runner captured at that width, as SGLang's adaptive EAGLE builds them. Each is
         built while the resolved ``speculative_num_draft_tokens`` reads that width (FA3 and triton
         fix the width when built), then the block is restored: the KV reserve reads it. With
-        ``decode_width_one``, width 1 gets plain DECODE graphs (:func:`tapped_decode_runner_class`)."""
+        ``decode_width_one``, width 1 gets plain DECODE graphs (:func:`tapped_decode_runner_class`).
+        ``on_backend`` sees each backend before its graphs are captured."""
         from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
         from sglang.srt.runtime_context import get_context, get_spec
 
@@ -220,6 +222,8 @@ class SGLangRelease:
             saved_workspace = model_runner.init_new_workspace
             try:
                 backend = model_runner._get_attention_backend(init_new_workspace=True)
+                if on_backend is not None:
+                    on_backend(backend)
                 runner_class = DecodeCudaGraphRunner
                 if width == 1 and decode_width_one:
                     runner_class = tapped_decode_runner_class()

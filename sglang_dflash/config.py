@@ -25,6 +25,9 @@ CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
 # 0 = the scheduler's per-step KV reservation through SGLang's own DFlashDraftInputV2 code, not the
 # plugin's, which fills the host lengths in bulk (draft_input.py; A/B runs).
 BULK_PREPARE_ENV = "SGLANG_DFLASH_BULK_PREPARE"
+# 0 = the DFLASH passes' attention on the Triton backend through SGLang's extend kernel, not the
+# plugin's block kernel (ops/block_attention.py; A/B runs).
+BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -64,6 +67,10 @@ def context_in_verify_graph() -> bool:
 
 def bulk_prepare() -> bool:
     return os.environ.get(BULK_PREPARE_ENV, "1") != "0"
+
+
+def block_attention_kernel() -> bool:
+    return os.environ.get(BLOCK_ATTENTION_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

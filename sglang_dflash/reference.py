@@ -72,6 +72,27 @@ def draft_attention_mask(
     return torch.cat([see_ctx, see_blk], dim=-1)
 
 
+def block_attention(q, k, v, k_cache, v_cache, kv_indptr, kv_indices, block: int, sm_scale: float,
+                    causal: bool) -> torch.Tensor:
+    """Each request's ``block`` queries over its cached prefix (``kv_indices`` rows of the caches)
+    and the block's own ``k``/``v`` (causally or all), in float64; the spec of
+    ``ops.block_attention``. Shapes: ``q`` ``[bs * block, Hq, D]``, ``k``/``v`` ``[bs * block, Hkv, D]``."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    bounds = kv_indptr.tolist()
+    for b in range(len(bounds) - 1):
+        idx = kv_indices[bounds[b]:bounds[b + 1]].long()
+        rows = slice(b * block, (b + 1) * block)
+        keys = torch.cat([k_cache[idx], k[rows]]).double().repeat_interleave(group, 1)
+        vals = torch.cat([v_cache[idx], v[rows]]).double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].double(), keys) * sm_scale
+        if causal:
+            seen = torch.ones(block, len(idx) + block, dtype=torch.bool, device=q.device).tril(len(idx))
+            scores = scores.masked_fill(~seen, float("-inf"))
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+    return out
+
+
 class _Layer(nn.Module):
     def __init__(self, cfg: DFlashDraftConfig):
         super().__init__()

@@ -66,6 +66,8 @@ from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
                      draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, widths_by_default,
                      width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
+from .block_attention_route import ROUTE as BLOCK_ROUTE
+from .block_attention_route import route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
@@ -271,6 +273,11 @@ class DFlashWorker(BaseSpecWorker):
         if self.ragged:  # before the target captures its verify graphs
             self.release.enable_ragged_verify(self.model_runner.attn_backend)
         self._draft_worker.init_attention_backends()
+        # Before either captures its graphs; the narrower widths' backends are routed as built.
+        routed = [route_block_attention(mr.attn_backend) for mr in (self.model_runner, self.draft_model_runner)]
+        if any(routed) and get_parallel().tp_rank == 0:
+            logger.info("DFLASH block attention: the %s on the plugin's Triton block kernel",
+                        " and ".join(n for n, r in zip(("target's verify", "draft"), routed) if r))
 
     def init_cuda_graphs(self):
         graphs = get_exec().graph.cuda_graph_config.decode
@@ -302,7 +309,8 @@ class DFlashWorker(BaseSpecWorker):
         self.width_pairs = {self.block_size: (mr.attn_backend, mr.decode_cuda_graph_runner)}
         self.width_one_decodes = 1 in self.widths and self.release.decodes_width_one(mr.attn_backend)
         self.width_pairs.update(
-            self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes))
+            self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes,
+                                             on_backend=route_block_attention))
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
 
     def server_info(self) -> dict:
@@ -315,6 +323,7 @@ class DFlashWorker(BaseSpecWorker):
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
                 "prefills": self.prefills, "prefills_in_graphs": self.prefills_in_graphs,
                 "stalls": self.stalls.report(), "bulk_prepare": bulk_prepare_serves(),
+                "block_attention": BLOCK_ROUTE.report(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         if self.draft_head is not None and self.draft_head.rows_read is not None:
             info["draft_vocab"] = {"rows": self.draft_head.rows_read, "rebuilds": self.draft_head.vocab.rebuilds}

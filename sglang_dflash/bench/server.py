@@ -41,6 +41,10 @@ IMPLEMENTATIONS = {
     # lengths one by one (A/B of SGLANG_DFLASH_BULK_PREPARE's default).
     "plugin-sglang-prepare": (["--speculative-algorithm", "DFLASH"],
                               {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BULK_PREPARE": "0"}),
+    # The plugin's DFLASH passes on the Triton backend through SGLang's extend kernel (A/B of
+    # SGLANG_DFLASH_BLOCK_ATTENTION's default).
+    "plugin-sglang-attention": (["--speculative-algorithm", "DFLASH"],
+                                {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BLOCK_ATTENTION": "0"}),
     # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
     "plugin-full-vocab": (["--speculative-algorithm", "DFLASH"],
                           {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_DRAFT_VOCAB": "full"}),
@@ -53,7 +57,7 @@ IMPLEMENTATIONS = {
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
 DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-fixed", "adaptive-ragged", "plugin-eager-context",
-                "plugin-sglang-prepare", "plugin-full-vocab", "plugin-fp8", "builtin-fp8")
+                "plugin-sglang-prepare", "plugin-sglang-attention", "plugin-full-vocab", "plugin-fp8", "builtin-fp8")
 
 
 def is_implementation(name: str) -> bool:

@@ -1,0 +1,178 @@
+"""The DFLASH passes' attention on SGLang's Triton and FlashInfer backends, through the plugin's
+block kernel.
+
+The target's verify and the draft pass both run as TARGET_VERIFY forwards. Both backends attend
+them with a prefill kernel, which a block of 16 queries a request leaves mostly idle:
+
+* Triton hands the pass to its extend kernel (``backend.extend_attention_fwd``, the same call
+  from 0.5.17 to 0.5.23). A routed backend sends that call to :func:`ops.block_attention`.
+* FlashInfer writes the block's K/V to the cache, then runs its planned paged prefill wrapper
+  (``prefill_wrapper_paged.forward``). A routed backend lends that wrapper, for the one call, a
+  ``forward`` that runs :func:`ops.block_attention_by_table` over the request table instead.
+
+Only where the forward is a TARGET_VERIFY one and the call asks for nothing the block kernel
+lacks (a custom mask, a window, sinks, a soft cap, scales, pages, partial stages, ragged or
+dequantised KV); anything else, prefills included, keeps SGLang's kernel. The choice is made in
+Python, so a CUDA graph keeps the kernel it captured.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Optional
+
+import torch
+
+from .config import block_attention_kernel
+from .ops.block_attention import block_attention, block_attention_by_table, serves
+
+logger = logging.getLogger("sglang_dflash")
+
+# The extend kernel's leading parameters, in order (its callers pass them by position).
+_POSITIONAL = ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr", "kv_indptr",
+               "kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend", "k_scale", "v_scale",
+               "sm_scale")
+# Those the block kernel does without (a uniform block's offsets), and those it must find at a default.
+_UNREAD = {"qo_indptr", "mask_indptr", "skip_prefix_custom_mask", "extend_seq_lens_cpu"}
+_AT_DEFAULT = {"logit_cap": (0, None), "sliding_window_size": (-1, None), "sinks": (None,),
+               "window_kv_offsets": (None,), "xai_temperature_len": (-1, 0, None), "lse_extend": (None,),
+               "skip_prefix": (False,), "skip_extend": (False,), "page_size": (1,), "score_mod": (None,),
+               "aux_tensors": (None,), "identity_kv_indices": (False,)}
+
+
+class BlockAttentionRoute:
+    """Counts what a routed backend sent where (``/get_server_info``: ``dflash.block_attention``)."""
+
+    def __init__(self):
+        self.backends = 0
+        self.routed = 0  # extend-kernel calls served by the block kernel (CUDA-graph captures included)
+        self.declined = 0  # TARGET_VERIFY calls left to SGLang's kernel
+
+    def report(self) -> dict:
+        return {"backends": self.backends, "routed_calls": self.routed, "declined_calls": self.declined}
+
+
+ROUTE = BlockAttentionRoute()
+
+
+def block_call(args: dict) -> Optional[tuple]:
+    """The block kernel's arguments for one extend-kernel call (by name), or None where it must
+    decline: anything beyond a uniform block over a one-token-page cache, unscaled, unmasked."""
+    for name, value in args.items():
+        if name in _POSITIONAL or name in _UNREAD:
+            continue
+        allowed = _AT_DEFAULT.get(name)  # an argument not known here declines too
+        if allowed is None or not any(value is a or (not isinstance(value, torch.Tensor) and value == a)
+                                      for a in allowed):
+            return None
+    q, k_cache, v_cache = args["q_extend"], args["k_buffer"], args["v_buffer"]
+    block = args["max_len_extend"]
+    if (args["custom_mask"] is not None or q.dim() != 3 or not isinstance(block, int) or block < 1
+            or q.shape[0] % block or not serves(q.shape[-1], q.dtype) or k_cache.dtype != q.dtype
+            or v_cache.dtype != q.dtype or v_cache.shape[-1] != q.shape[-1] or k_cache.shape[-1] != q.shape[-1]
+            or args["k_scale"] != 1.0 or args["v_scale"] != 1.0 or q.shape[1] % k_cache.shape[-2]):
+        return None
+    heads, dim = k_cache.shape[-2], k_cache.shape[-1]
+    sm_scale = args.get("sm_scale")
+    return (q, args["k_extend"].view(-1, heads, dim), args["v_extend"].view(-1, heads, dim), args["o_extend"],
+            k_cache, v_cache, args["kv_indptr"], args["kv_indices"], block,
+            dim ** -0.5 if sm_scale is None else sm_scale, bool(args["is_causal"]))
+
+
+def route_block_attention(backend) -> bool:
+    """Route ``backend``'s TARGET_VERIFY attention to the block kernel; False where it cannot be
+    (neither a Triton nor a FlashInfer backend, pages over one token, ``SGLANG_DFLASH_BLOCK_ATTENTION=0``)."""
+    if not block_attention_kernel() or getattr(backend, "_dflash_block_route", False):
+        return bool(getattr(backend, "_dflash_block_route", False))
+    if getattr(backend, "page_size", 1) != 1:
+        return False
+    family = {c.__name__ for c in type(backend).__mro__}
+    if "TritonAttnBackend" in family and hasattr(backend, "extend_attention_fwd"):
+        routed = _route_triton(backend)
+    elif "FlashInferAttnBackend" in family and hasattr(backend, "_get_wrapper_idx"):
+        routed = _route_flashinfer(backend)
+    else:
+        return False
+    if routed:
+        backend._dflash_block_route = True
+        ROUTE.backends += 1
+    return routed
+
+
+def _route_triton(backend) -> bool:
+    extend = backend.extend_attention_fwd
+    names = list(inspect.signature(extend).parameters)
+    if tuple(names[: len(_POSITIONAL)]) != _POSITIONAL:
+        logger.info("DFLASH block attention not routed: SGLang's extend kernel takes %s", names)
+        return False
+    forward_extend = backend.forward_extend
+    in_block_pass = [False]
+
+    def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
+        in_block_pass[0] = forward_batch.forward_mode.is_target_verify()
+        try:
+            return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+        finally:
+            in_block_pass[0] = False
+
+    def routed_extend(*args, **kwargs):
+        if in_block_pass[0]:
+            call = dict(zip(names, args))
+            call.update(kwargs)
+            block_args = block_call(call)
+            if block_args is not None:
+                ROUTE.routed += 1
+                return block_attention(*block_args)
+            ROUTE.declined += 1
+        return extend(*args, **kwargs)
+
+    backend.forward_extend = routed_forward_extend
+    backend.extend_attention_fwd = routed_extend
+    return True
+
+
+def _route_flashinfer(backend) -> bool:
+    forward_extend = backend.forward_extend
+
+    def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
+        metadata = getattr(backend, "forward_metadata", None)
+        if (not forward_batch.forward_mode.is_target_verify() or metadata is None
+                or getattr(metadata, "use_ragged", True) or getattr(backend, "prefill_uses_dequant_workspace", False)
+                or getattr(metadata, "multi_item_params", None) is not None and metadata.multi_item_params.is_enabled()):
+            if forward_batch.forward_mode.is_target_verify():
+                ROUTE.declined += 1
+            return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+        wrapper = metadata.prefill_wrappers[backend._get_wrapper_idx(layer)]
+        planned_forward = wrapper.forward
+        req_pool_indices, prefix_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+
+        def block_forward(q3, kv_cache, causal=True, sm_scale=None, window_left=-1, logits_soft_cap=None,
+                          k_scale=None, v_scale=None, **rest):
+            k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
+            if (rest or window_left not in (-1, None) or logits_soft_cap or k_scale not in (None, 1.0)
+                    or v_scale not in (None, 1.0) or k_cache is None or k_cache.dim() != 3
+                    or k_cache.dtype != q3.dtype or v_cache.dtype != q3.dtype or k_cache.shape[-1] != q3.shape[-1]
+                    or not serves(q3.shape[-1], q3.dtype) or q3.shape[0] % len(req_pool_indices)
+                    or q3.shape[1] % k_cache.shape[1]):
+                ROUTE.declined += 1
+                return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
+                                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
+            ROUTE.routed += 1
+            scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+            return block_attention_by_table(
+                q3, torch.empty_like(q3), k_cache, v_cache, backend.req_to_token_pool.req_to_token, req_pool_indices,
+                prefix_lens, q3.shape[0] // len(req_pool_indices), scale, bool(causal))
+
+        own = wrapper.__dict__.get("forward")
+        wrapper.forward = block_forward  # for this call only
+        try:
+            return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+        finally:
+            if own is None:
+                del wrapper.forward
+            else:
+                wrapper.forward = own
+
+    backend.forward_extend = routed_forward_extend
+    return True

@@ -1,0 +1,193 @@
+"""The Triton backend's DFLASH passes routed to the plugin's block kernel, and everything else not.
+
+A fake backend calls ``extend_attention_fwd`` as SGLang's ``forward_extend`` does (the leading
+arguments by position); the kernel itself is checked in ``test_ops.py`` against the reference.
+"""
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_dflash import block_attention_route as route
+
+BLOCK, Q_HEADS, KV_HEADS, DIM = 4, 8, 2, 64
+
+
+def _mode(verify: bool):
+    return SimpleNamespace(is_target_verify=lambda: verify)
+
+
+class TritonAttnBackend:  # the name the route looks for, as SGLang's class is called
+    def __init__(self, page_size=1):
+        self.page_size = page_size
+        self.sglang_calls = []
+        self.extend_attention_fwd = self._sglang_extend
+
+    def _sglang_extend(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                       kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
+                       sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1,
+                       sinks=None, window_kv_offsets=None, xai_temperature_len=-1, page_size=1):
+        self.sglang_calls.append(is_causal)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, custom_mask=None,
+                       sliding_window_size=-1, logit_cap=0.0, cache_dtype=torch.float32):
+        bs = q.shape[0] // BLOCK
+        cache = torch.zeros(10, KV_HEADS, DIM, dtype=cache_dtype)
+        self.extend_attention_fwd(
+            q, k, v, torch.empty_like(q), cache, cache.clone(),
+            torch.arange(bs + 1) * BLOCK, torch.zeros(bs + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
+            custom_mask, layer.causal, None, BLOCK, 1.0, 1.0, layer.scaling, logit_cap=logit_cap,
+            sliding_window_size=sliding_window_size, sinks=None, window_kv_offsets=None, xai_temperature_len=-1,
+            page_size=self.page_size,
+        )
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(route, "block_attention", lambda *args: calls.append(args))
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    return calls
+
+
+def _forward(backend, verify=True, causal=True, **kwargs):
+    q = torch.randn(2 * BLOCK, Q_HEADS, DIM)
+    k, v = (torch.randn(2 * BLOCK, KV_HEADS * DIM) for _ in range(2))  # as the layer hands them over, flat
+    layer = SimpleNamespace(causal=causal, scaling=0.125)
+    backend.forward_extend(q, k, v, layer, SimpleNamespace(forward_mode=_mode(verify)), **kwargs)
+
+
+def test_target_verify_and_draft_passes_take_the_block_kernel(kernel_calls):
+    backend = TritonAttnBackend()
+    assert route.route_block_attention(backend)
+    _forward(backend, causal=True)  # the target's verify
+    _forward(backend, causal=False)  # the draft (ENCODER_ONLY layers)
+    assert backend.sglang_calls == []
+    assert [call[-1] for call in kernel_calls] == [True, False]
+    q, k, v, o, k_cache, v_cache, kv_indptr, kv_indices, block, sm_scale, causal = kernel_calls[0]
+    assert k.shape == (2 * BLOCK, KV_HEADS, DIM) and v.shape == k.shape and block == BLOCK and sm_scale == 0.125
+    assert route.ROUTE.report() == {"backends": 1, "routed_calls": 2, "declined_calls": 0}
+    assert route.route_block_attention(backend)  # routing twice wraps once
+    _forward(backend)
+    assert len(kernel_calls) == 3
+
+
+@pytest.mark.parametrize("why", ["prefill", "custom_mask", "window", "soft_cap", "bf16_cache"])
+def test_what_the_block_kernel_lacks_stays_with_sglang(kernel_calls, why):
+    backend = TritonAttnBackend()
+    assert route.route_block_attention(backend)
+    kwargs = {"custom_mask": {"custom_mask": torch.ones(4, dtype=torch.bool)}, "window": {"sliding_window_size": 8},
+              "soft_cap": {"logit_cap": 30.0}, "bf16_cache": {"cache_dtype": torch.bfloat16}}.get(why, {})
+    _forward(backend, verify=why != "prefill", **kwargs)
+    assert kernel_calls == [] and backend.sglang_calls == [True]
+    assert route.ROUTE.declined == (0 if why == "prefill" else 1)
+
+
+def test_backends_the_kernel_cannot_serve_are_left_alone(kernel_calls, monkeypatch):
+    assert not route.route_block_attention(TritonAttnBackend(page_size=16))
+
+    class HybridTritonBackend(TritonAttnBackend):  # a subclass of SGLang's Triton backend is one
+        pass
+    assert route.route_block_attention(HybridTritonBackend())
+
+    class TorchNativeAttnBackend:
+        page_size = 1
+        extend_attention_fwd = TritonAttnBackend._sglang_extend
+    assert not route.route_block_attention(TorchNativeAttnBackend())
+    monkeypatch.setenv("SGLANG_DFLASH_BLOCK_ATTENTION", "0")
+    backend = TritonAttnBackend()
+    assert not route.route_block_attention(backend)
+    _forward(backend)
+    assert kernel_calls == [] and backend.sglang_calls == [True]
+
+
+class PagedPrefillWrapper:
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, q, kv_cache, causal=True, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
+                k_scale=None, v_scale=None):
+        self.calls.append(causal)
+        return q
+
+
+class FlashInferAttnBackend:  # SGLang's: writes the block's K/V, then runs the planned wrapper
+    def __init__(self, use_ragged=False):
+        self.page_size = 1
+        self.wrapper = PagedPrefillWrapper()
+        self.forward_metadata = SimpleNamespace(use_ragged=use_ragged, prefill_wrappers=[self.wrapper],
+                                                multi_item_params=None)
+        self.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(4, 32, dtype=torch.int32))
+        self.prefill_uses_dequant_workspace = False
+
+    def _get_wrapper_idx(self, layer):
+        return 0
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, window_left=-1,
+                       cache_dtype=torch.float32):
+        cache = torch.zeros(10, KV_HEADS, DIM, dtype=cache_dtype)
+        wrapper = self.forward_metadata.prefill_wrappers[self._get_wrapper_idx(layer)]
+        return wrapper.forward(q.view(-1, Q_HEADS, DIM), (cache, cache.clone()), causal=layer.causal,
+                               sm_scale=layer.scaling, window_left=window_left, logits_soft_cap=0.0,
+                               k_scale=1.0, v_scale=1.0)
+
+
+def _flashinfer_forward(backend, verify=True, causal=True, **kwargs):
+    q = torch.randn(2 * BLOCK, Q_HEADS * DIM)
+    batch = SimpleNamespace(forward_mode=_mode(verify), req_pool_indices=torch.tensor([3, 1]),
+                            seq_lens=torch.tensor([5, 9]))
+    backend.forward_extend(q, q, q, SimpleNamespace(causal=causal, scaling=0.125), batch, **kwargs)
+
+
+def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypatch):
+    calls = []
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: calls.append(args))
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    backend = FlashInferAttnBackend()
+    assert route.route_block_attention(backend)
+    _flashinfer_forward(backend, causal=True)
+    _flashinfer_forward(backend, causal=False)
+    assert backend.wrapper.calls == [] and [c[-1] for c in calls] == [True, False]
+    q, o, k_cache, v_cache, table, req_pool_indices, prefix_lens, block, sm_scale, causal = calls[0]
+    assert table is backend.req_to_token_pool.req_to_token and req_pool_indices.tolist() == [3, 1]
+    assert prefix_lens.tolist() == [5, 9] and block == BLOCK and sm_scale == 0.125 and q.shape == o.shape
+    assert "forward" not in backend.wrapper.__dict__  # the wrapper's own method is back
+    _flashinfer_forward(backend, verify=False)  # a prefill
+    _flashinfer_forward(backend, window_left=8)
+    _flashinfer_forward(backend, cache_dtype=torch.bfloat16)
+    assert backend.wrapper.calls == [True] * 3 and len(calls) == 2
+    ragged = FlashInferAttnBackend(use_ragged=True)
+    assert route.route_block_attention(ragged)
+    _flashinfer_forward(ragged)
+    assert ragged.wrapper.calls == [True] and len(calls) == 2
+    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 3}
+
+
+def test_sglang_extend_kernel_takes_the_arguments_the_route_reads():
+    """The installed SGLang's extend kernel, as its Triton backend wraps it, leads with the
+    arguments the route reads by position, and its other ones are known to the route."""
+    ops = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    names = list(inspect.signature(torch.compiler.disable(ops.extend_attention_fwd)).parameters)
+    assert tuple(names[: len(route._POSITIONAL)]) == route._POSITIONAL
+    assert set(names[len(route._POSITIONAL):]) <= route._UNREAD | set(route._AT_DEFAULT)
+
+
+def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forward():
+    """The installed SGLang's FlashInfer backend attends a TARGET_VERIFY pass through
+    ``prefill_wrapper_paged.forward`` with the keywords the lent ``forward`` reads, and keeps the
+    attributes the route consults."""
+    from sglang_dflash import compat
+
+    root = compat.installed_source_root()
+    if root is None:
+        pytest.skip("no SGLang sources")
+    with open(f"{root}/srt/layers/attention/flashinfer_backend.py") as f:
+        source = f.read()
+    call = source[source.index("o = prefill_wrapper_paged.forward("):]
+    call = call[: call.index("\n            )\n")]
+    for keyword in ("causal=", "sm_scale=", "window_left=", "logits_soft_cap=", "k_scale=", "v_scale="):
+        assert keyword in call
+    for attribute in ("self.req_to_token_pool = ", "def _get_wrapper_idx", "use_ragged", "prefill_wrappers"):
+        assert attribute in source
