@@ -823,14 +823,18 @@ def test_width_one_decodes_where_the_targets_decode_planning_takes_the_device_le
 
     built = []
     monkeypatch.setattr(compat.SGLangRelease, "build_width_runners",
-                        lambda self, mr, widths, capture, decode_width_one: built.append(decode_width_one) or {})
+                        lambda self, mr, widths, capture, decode_width_one, on_backend:
+                        built.append((decode_width_one, on_backend)) or {})
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.release, worker.block_size, worker.widths = compat.running(), 16, widths
     worker.width_policy = SimpleNamespace()
     worker.model_runner = SimpleNamespace(attn_backend=type(backend, (), {})(), decode_cuda_graph_runner="g16")
     DFlashWorker._build_width_pairs(worker, capture=True)
-    assert worker.width_one_decodes is decodes and built == [decodes]
+    from sglang_dflash.block_attention_route import route_block_attention
+
+    # Every narrower width's backend is offered to the block-attention route before its graphs.
+    assert worker.width_one_decodes is decodes and built == [(decodes, route_block_attention)]
 
 
 def fallback_worker(fallback, choose):
