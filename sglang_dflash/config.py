@@ -25,8 +25,8 @@ CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
 # 0 = the scheduler's per-step KV reservation through SGLang's own DFlashDraftInputV2 code, not the
 # plugin's, which fills the host lengths in bulk (draft_input.py; A/B runs).
 BULK_PREPARE_ENV = "SGLANG_DFLASH_BULK_PREPARE"
-# 0 = the DFLASH passes' attention on the Triton backend through SGLang's extend kernel, not the
-# plugin's block kernel (ops/block_attention.py; A/B runs).
+# 0 = the DFLASH passes' attention on the Triton and FlashInfer backends through SGLang's own kernels,
+# not the plugin's block kernel (ops/block_attention.py; A/B runs).
 BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or

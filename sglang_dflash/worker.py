@@ -276,7 +276,7 @@ class DFlashWorker(BaseSpecWorker):
         # Before either captures its graphs; the narrower widths' backends are routed as built.
         routed = [route_block_attention(mr.attn_backend) for mr in (self.model_runner, self.draft_model_runner)]
         if any(routed) and get_parallel().tp_rank == 0:
-            logger.info("DFLASH block attention: the %s on the plugin's Triton block kernel",
+            logger.info("DFLASH block attention: the %s on the plugin's block kernel",
                         " and ".join(n for n, r in zip(("target's verify", "draft"), routed) if r))
 
     def init_cuda_graphs(self):

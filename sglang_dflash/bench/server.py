@@ -41,8 +41,8 @@ IMPLEMENTATIONS = {
     # lengths one by one (A/B of SGLANG_DFLASH_BULK_PREPARE's default).
     "plugin-sglang-prepare": (["--speculative-algorithm", "DFLASH"],
                               {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BULK_PREPARE": "0"}),
-    # The plugin's DFLASH passes on the Triton backend through SGLang's extend kernel (A/B of
-    # SGLANG_DFLASH_BLOCK_ATTENTION's default).
+    # The plugin's DFLASH passes on Triton and FlashInfer through SGLang's own attention kernels (A/B
+    # of SGLANG_DFLASH_BLOCK_ATTENTION's default).
     "plugin-sglang-attention": (["--speculative-algorithm", "DFLASH"],
                                 {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BLOCK_ATTENTION": "0"}),
     # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
