@@ -24,6 +24,7 @@ from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 
 from sglang_dflash.ops.block_attention import block_attention, default_splits
+from sglang_dflash.reference import block_attention as ref_block_attention
 
 HQ, HKV, D, W = 32, 8, 128, 16
 
@@ -46,20 +47,8 @@ def problem(bs, lo, hi, dtype, gen):
 
 def reference(p):
     """float64: each query attends to its request's prefix and to the block up to itself."""
-    out = torch.empty(p["q"].shape, dtype=torch.float64, device="cuda")
-    scale = 1 / math.sqrt(D)
-    kvp = p["kvp"].tolist()
-    for b in range(len(p["prefix"])):
-        idx = p["kvi"][kvp[b]:kvp[b + 1]]
-        rows = slice(b * W, (b + 1) * W)
-        keys = torch.cat([p["kb"][idx], p["k"][rows]]).double().repeat_interleave(HQ // HKV, 1)
-        vals = torch.cat([p["vb"][idx], p["v"][rows]]).double().repeat_interleave(HQ // HKV, 1)
-        s = torch.einsum("qhd,khd->hqk", p["q"][rows].double(), keys) * scale
-        n = len(idx)
-        causal = torch.ones(W, n + W, dtype=torch.bool, device="cuda").tril(n)
-        s = s.masked_fill(~causal, float("-inf"))
-        out[rows] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vals)
-    return out
+    return ref_block_attention(p["q"], p["k"], p["v"], p["kb"], p["vb"], p["kvp"], p["kvi"], W, 1 / math.sqrt(D),
+                               causal=True)
 
 
 def run_extend(p, o):

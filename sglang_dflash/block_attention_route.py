@@ -68,10 +68,8 @@ def block_call(args: dict) -> Optional[tuple]:
             return None
     q, k_cache, v_cache = args["q_extend"], args["k_buffer"], args["v_buffer"]
     block = args["max_len_extend"]
-    if (args["custom_mask"] is not None or q.dim() != 3 or not isinstance(block, int) or block < 1
-            or q.shape[0] % block or not serves(q.shape[-1], q.dtype) or k_cache.dtype != q.dtype
-            or v_cache.dtype != q.dtype or v_cache.shape[-1] != q.shape[-1] or k_cache.shape[-1] != q.shape[-1]
-            or args["k_scale"] != 1.0 or args["v_scale"] != 1.0 or q.shape[1] % k_cache.shape[-2]):
+    if (args["custom_mask"] is not None or args["k_scale"] != 1.0 or args["v_scale"] != 1.0
+            or not isinstance(block, int) or block < 1 or not kernel_takes(q, k_cache, v_cache, block)):
         return None
     heads, dim = k_cache.shape[-2], k_cache.shape[-1]
     sm_scale = args.get("sm_scale")
@@ -80,12 +78,21 @@ def block_call(args: dict) -> Optional[tuple]:
             dim ** -0.5 if sm_scale is None else sm_scale, bool(args["is_causal"]))
 
 
+def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: int) -> bool:
+    """Whether the block kernel takes these queries ``[bs * block, Hq, D]`` over these caches
+    ``[slots, Hkv, D]``: one dtype throughout, a head size it serves, whole blocks and GQA groups."""
+    return (q.dim() == 3 and k_cache.dim() == 3 and serves(q.shape[-1], q.dtype)
+            and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and k_cache.shape[-1] == q.shape[-1] and v_cache.shape[-1] == q.shape[-1]
+            and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0)
+
+
 def route_block_attention(backend) -> bool:
     """Route ``backend``'s TARGET_VERIFY attention to the block kernel; False where it cannot be
     (neither a Triton nor a FlashInfer backend, pages over one token, ``SGLANG_DFLASH_BLOCK_ATTENTION=0``)."""
-    if not block_attention_kernel() or getattr(backend, "_dflash_block_route", False):
-        return bool(getattr(backend, "_dflash_block_route", False))
-    if getattr(backend, "page_size", 1) != 1:
+    if getattr(backend, "_dflash_block_route", False):
+        return True
+    if not block_attention_kernel() or getattr(backend, "page_size", 1) != 1:
         return False
     family = {c.__name__ for c in type(backend).__mro__}
     if "TritonAttnBackend" in family and hasattr(backend, "extend_attention_fwd"):
@@ -137,9 +144,10 @@ def _route_flashinfer(backend) -> bool:
 
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
         metadata = getattr(backend, "forward_metadata", None)
+        multi_item = getattr(metadata, "multi_item_params", None)
         if (not forward_batch.forward_mode.is_target_verify() or metadata is None
                 or getattr(metadata, "use_ragged", True) or getattr(backend, "prefill_uses_dequant_workspace", False)
-                or getattr(metadata, "multi_item_params", None) is not None and metadata.multi_item_params.is_enabled()):
+                or multi_item is not None and multi_item.is_enabled()):
             if forward_batch.forward_mode.is_target_verify():
                 ROUTE.declined += 1
             return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
@@ -150,11 +158,10 @@ def _route_flashinfer(backend) -> bool:
         def block_forward(q3, kv_cache, causal=True, sm_scale=None, window_left=-1, logits_soft_cap=None,
                           k_scale=None, v_scale=None, **rest):
             k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
+            block = q3.shape[0] // len(req_pool_indices)
             if (rest or window_left not in (-1, None) or logits_soft_cap or k_scale not in (None, 1.0)
-                    or v_scale not in (None, 1.0) or k_cache is None or k_cache.dim() != 3
-                    or k_cache.dtype != q3.dtype or v_cache.dtype != q3.dtype or k_cache.shape[-1] != q3.shape[-1]
-                    or not serves(q3.shape[-1], q3.dtype) or q3.shape[0] % len(req_pool_indices)
-                    or q3.shape[1] % k_cache.shape[1]):
+                    or v_scale not in (None, 1.0) or k_cache is None or block < 1
+                    or q3.shape[0] != block * len(req_pool_indices) or not kernel_takes(q3, k_cache, v_cache, block)):
                 ROUTE.declined += 1
                 return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
                                        logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
@@ -162,7 +169,7 @@ def _route_flashinfer(backend) -> bool:
             scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
             return block_attention_by_table(
                 q3, torch.empty_like(q3), k_cache, v_cache, backend.req_to_token_pool.req_to_token, req_pool_indices,
-                prefix_lens, q3.shape[0] // len(req_pool_indices), scale, bool(causal))
+                prefix_lens, block, scale, bool(causal))
 
         own = wrapper.__dict__.get("forward")
         wrapper.forward = block_forward  # for this call only
