@@ -9,6 +9,8 @@ them with a prefill kernel, which a block of 16 queries a request leaves mostly 
 * FlashInfer writes the block's K/V to the cache, then runs its planned paged prefill wrapper
   (``prefill_wrapper_paged.forward``). A routed backend lends that wrapper, for the one call, a
   ``forward`` that runs :func:`ops.block_attention_by_table` over the request table instead.
+  Once the kernel serves every such call a backend sees (the CUDA-graph captures included), the
+  wrapper's plan before each replay of those graphs is host work nothing reads, and is skipped.
 
 Only where the forward is a TARGET_VERIFY one and the call asks for nothing the block kernel
 lacks (a custom mask, a window, sinks, a soft cap, scales, pages, partial stages, ragged or
@@ -24,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .config import block_attention_kernel
+from .config import block_attention_kernel, skip_unused_plans
 from .ops.block_attention import block_attention, block_attention_by_table, serves
 
 logger = logging.getLogger("sglang_dflash")
@@ -48,9 +50,11 @@ class BlockAttentionRoute:
         self.backends = 0
         self.routed = 0  # extend-kernel calls served by the block kernel (CUDA-graph captures included)
         self.declined = 0  # TARGET_VERIFY calls left to SGLang's kernel
+        self.plans_skipped = 0  # FlashInfer replays of routed graphs that went unplanned
 
     def report(self) -> dict:
-        return {"backends": self.backends, "routed_calls": self.routed, "declined_calls": self.declined}
+        return {"backends": self.backends, "routed_calls": self.routed, "declined_calls": self.declined,
+                "plans_skipped": self.plans_skipped}
 
 
 ROUTE = BlockAttentionRoute()
@@ -141,6 +145,11 @@ def _route_triton(backend) -> bool:
 
 def _route_flashinfer(backend) -> bool:
     forward_extend = backend.forward_extend
+    declined = [0]  # this backend's TARGET_VERIFY calls left to FlashInfer, captures included
+
+    def decline():
+        declined[0] += 1
+        ROUTE.declined += 1
 
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
         metadata = getattr(backend, "forward_metadata", None)
@@ -149,7 +158,7 @@ def _route_flashinfer(backend) -> bool:
                 or getattr(metadata, "use_ragged", True) or getattr(backend, "prefill_uses_dequant_workspace", False)
                 or multi_item is not None and multi_item.is_enabled()):
             if forward_batch.forward_mode.is_target_verify():
-                ROUTE.declined += 1
+                decline()
             return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
         wrapper = metadata.prefill_wrappers[backend._get_wrapper_idx(layer)]
         planned_forward = wrapper.forward
@@ -162,7 +171,7 @@ def _route_flashinfer(backend) -> bool:
             if (rest or window_left not in (-1, None) or logits_soft_cap or k_scale not in (None, 1.0)
                     or v_scale not in (None, 1.0) or k_cache is None or block < 1
                     or q3.shape[0] != block * len(req_pool_indices) or not kernel_takes(q3, k_cache, v_cache, block)):
-                ROUTE.declined += 1
+                decline()
                 return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
                                        logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
             ROUTE.routed += 1
@@ -182,4 +191,28 @@ def _route_flashinfer(backend) -> bool:
                 wrapper.forward = own
 
     backend.forward_extend = routed_forward_extend
+    if skip_unused_plans():
+        _skip_unused_replay_plans(backend, declined)
     return True
+
+
+def _skip_unused_replay_plans(backend, declined: list) -> None:
+    """Before each CUDA-graph replay SGLang plans the FlashInfer wrappers the graph may run: kv
+    indices on the GPU, then a host schedule. A TARGET_VERIFY graph captured with every call on the
+    block kernel runs no wrapper, and the kernel reads the request table, lengths and pool indices
+    from the graph's own inputs, so that work is skipped while this backend has declined nothing.
+    Backends with more than one wrapper (sliding windows, cross attention) or a sliding-window pool,
+    whose replay set-up refills more than the plan, keep it."""
+    replay_setup = getattr(backend, "init_forward_metadata_out_graph", None)
+    if (replay_setup is None or getattr(backend, "dispatch_reason", None) is not None
+            or getattr(backend, "use_sliding_window_kv_pool", False)):
+        return
+
+    def unplanned_replay_setup(forward_batch, in_capture=False, *args, **kwargs):
+        if (not in_capture and not declined[0] and forward_batch.forward_mode.is_target_verify()
+                and getattr(forward_batch.spec_info, "ragged_verify_layout", None) is None):
+            ROUTE.plans_skipped += 1
+            return None
+        return replay_setup(forward_batch, in_capture, *args, **kwargs)
+
+    backend.init_forward_metadata_out_graph = unplanned_replay_setup

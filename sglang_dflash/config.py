@@ -28,6 +28,9 @@ BULK_PREPARE_ENV = "SGLANG_DFLASH_BULK_PREPARE"
 # 0 = the DFLASH passes' attention on the Triton and FlashInfer backends through SGLang's own kernels,
 # not the plugin's block kernel (ops/block_attention.py; A/B runs).
 BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
+# 0 = FlashInfer still plans its prefill wrapper before every replay of a DFLASH pass that the block
+# kernel serves whole, though the kernel reads nothing the plan makes (A/B runs).
+SKIP_UNUSED_PLANS_ENV = "SGLANG_DFLASH_SKIP_UNUSED_PLANS"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -71,6 +74,10 @@ def bulk_prepare() -> bool:
 
 def block_attention_kernel() -> bool:
     return os.environ.get(BLOCK_ATTENTION_ENV, "1") != "0"
+
+
+def skip_unused_plans() -> bool:
+    return os.environ.get(SKIP_UNUSED_PLANS_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

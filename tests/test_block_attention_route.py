@@ -68,7 +68,7 @@ def test_target_verify_and_draft_passes_take_the_block_kernel(kernel_calls):
     assert [call[-1] for call in kernel_calls] == [True, False]
     q, k, v, o, k_cache, v_cache, kv_indptr, kv_indices, block, sm_scale, causal = kernel_calls[0]
     assert k.shape == (2 * BLOCK, KV_HEADS, DIM) and v.shape == k.shape and block == BLOCK and sm_scale == 0.125
-    assert route.ROUTE.report() == {"backends": 1, "routed_calls": 2, "declined_calls": 0}
+    assert route.ROUTE.report() == {"backends": 1, "routed_calls": 2, "declined_calls": 0, "plans_skipped": 0}
     assert route.route_block_attention(backend)  # routing twice wraps once
     _forward(backend)
     assert len(kernel_calls) == 3
@@ -121,9 +121,16 @@ class FlashInferAttnBackend:  # SGLang's: writes the block's K/V, then runs the 
                                                 multi_item_params=None)
         self.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(4, 32, dtype=torch.int32))
         self.prefill_uses_dequant_workspace = False
+        self.plans = []
+
+    dispatch_reason = None
+    use_sliding_window_kv_pool = False
 
     def _get_wrapper_idx(self, layer):
         return 0
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self.plans.append(in_capture)  # SGLang plans the wrappers here, before each capture and replay
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, window_left=-1,
                        cache_dtype=torch.float32):
@@ -162,7 +169,44 @@ def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypa
     assert route.route_block_attention(ragged)
     _flashinfer_forward(ragged)
     assert ragged.wrapper.calls == [True] and len(calls) == 2
-    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 3}
+    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 3, "plans_skipped": 0}
+
+
+def _replay(backend, verify=True, in_capture=False, ragged=None):
+    spec_info = SimpleNamespace(ragged_verify_layout=ragged)
+    backend.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=_mode(verify), spec_info=spec_info),
+                                            in_capture=in_capture)
+
+
+def test_flashinfer_replays_of_routed_passes_go_unplanned(monkeypatch):
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: None)
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    backend = FlashInferAttnBackend()
+    assert route.route_block_attention(backend)
+    _replay(backend, in_capture=True)  # a capture plans as SGLang does, then runs the routed layers
+    _flashinfer_forward(backend)
+    _replay(backend)  # a replay of that graph: no plan
+    _replay(backend, verify=False)  # a decode or prefill replay plans
+    _replay(backend, ragged=object())  # a ragged verify plans
+    assert backend.plans == [True, False, False] and route.ROUTE.plans_skipped == 1
+    _flashinfer_forward(backend, window_left=8)  # once a call of this backend declines, every replay plans
+    _replay(backend)
+    assert backend.plans == [True, False, False, False] and route.ROUTE.plans_skipped == 1
+
+
+@pytest.mark.parametrize("why", ["switched_off", "sliding_window_pool", "several_wrappers"])
+def test_flashinfer_replays_plan_where_the_skip_does_not_hold(monkeypatch, why):
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: None)
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    if why == "switched_off":
+        monkeypatch.setenv("SGLANG_DFLASH_SKIP_UNUSED_PLANS", "0")
+    backend = FlashInferAttnBackend()
+    backend.use_sliding_window_kv_pool = why == "sliding_window_pool"
+    backend.dispatch_reason = "SLIDING_WINDOW" if why == "several_wrappers" else None
+    assert route.route_block_attention(backend)
+    _flashinfer_forward(backend)
+    _replay(backend)
+    assert backend.plans == [False] and route.ROUTE.plans_skipped == 0
 
 
 def test_sglang_extend_kernel_takes_the_arguments_the_route_reads():
@@ -189,5 +233,13 @@ def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forw
     call = call[: call.index("\n            )\n")]
     for keyword in ("causal=", "sm_scale=", "window_left=", "logits_soft_cap=", "k_scale=", "v_scale="):
         assert keyword in call
-    for attribute in ("self.req_to_token_pool = ", "def _get_wrapper_idx", "use_ragged", "prefill_wrappers"):
+    for attribute in ("self.req_to_token_pool = ", "def _get_wrapper_idx", "use_ragged", "prefill_wrappers",
+                      "self.dispatch_reason = ", "self.use_sliding_window_kv_pool = "):
         assert attribute in source
+    # the replay set-up the route skips: (forward_batch, in_capture), planning TARGET_VERIFY through
+    # the prefill updater and refilling only the sliding-window pool's buffer beside it
+    setup = source[source.index("    def init_forward_metadata_out_graph("):]
+    setup = setup[: setup.index("\n    def ", 10)]
+    assert "forward_batch: ForwardBatch,\n        in_capture: bool = False," in setup
+    assert "elif forward_mode.is_target_verify():\n            self.indices_updater_prefill.update(" in setup
+    assert setup.count("self.use_sliding_window_kv_pool") == 1

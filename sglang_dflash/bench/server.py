@@ -45,6 +45,10 @@ IMPLEMENTATIONS = {
     # of SGLANG_DFLASH_BLOCK_ATTENTION's default).
     "plugin-sglang-attention": (["--speculative-algorithm", "DFLASH"],
                                 {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BLOCK_ATTENTION": "0"}),
+    # The plugin with FlashInfer planning its wrappers before every replay of the DFLASH passes the
+    # block kernel serves (A/B of SGLANG_DFLASH_SKIP_UNUSED_PLANS's default).
+    "plugin-flashinfer-plans": (["--speculative-algorithm", "DFLASH"],
+                                {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
     # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
     "plugin-full-vocab": (["--speculative-algorithm", "DFLASH"],
                           {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_DRAFT_VOCAB": "full"}),
@@ -57,7 +61,8 @@ IMPLEMENTATIONS = {
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
 DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-fixed", "adaptive-ragged", "plugin-eager-context",
-                "plugin-sglang-prepare", "plugin-sglang-attention", "plugin-full-vocab", "plugin-fp8", "builtin-fp8")
+                "plugin-sglang-prepare", "plugin-sglang-attention", "plugin-flashinfer-plans", "plugin-full-vocab",
+                "plugin-fp8", "builtin-fp8")
 
 
 def is_implementation(name: str) -> bool:
