@@ -72,7 +72,7 @@ def block_call(args: dict) -> Optional[tuple]:
             return None
     q, k_cache, v_cache = args["q_extend"], args["k_buffer"], args["v_buffer"]
     block = args["max_len_extend"]
-    if (args["custom_mask"] is not None or args["k_scale"] != 1.0 or args["v_scale"] != 1.0
+    if (args["custom_mask"] is not None or not unscaled(args["k_scale"]) or not unscaled(args["v_scale"])
             or not isinstance(block, int) or block < 1 or not kernel_takes(q, k_cache, v_cache, block)):
         return None
     heads, dim = k_cache.shape[-2], k_cache.shape[-1]
@@ -80,6 +80,12 @@ def block_call(args: dict) -> Optional[tuple]:
     return (q, args["k_extend"].view(-1, heads, dim), args["v_extend"].view(-1, heads, dim), args["o_extend"],
             k_cache, v_cache, args["kv_indptr"], args["kv_indices"], block,
             dim ** -0.5 if sm_scale is None else sm_scale, bool(args["is_causal"]))
+
+
+def unscaled(scale) -> bool:
+    """A K/V scale that scales nothing. A tensor declines: reading its value would sync the host
+    (and fail inside a CUDA-graph capture)."""
+    return not isinstance(scale, torch.Tensor) and scale in (None, 1.0)
 
 
 def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: int) -> bool:
@@ -168,8 +174,8 @@ def _route_flashinfer(backend) -> bool:
                           k_scale=None, v_scale=None, **rest):
             k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
             block = q3.shape[0] // len(req_pool_indices)
-            if (rest or window_left not in (-1, None) or logits_soft_cap or k_scale not in (None, 1.0)
-                    or v_scale not in (None, 1.0) or k_cache is None or block < 1
+            if (rest or window_left not in (-1, None) or logits_soft_cap or not unscaled(k_scale)
+                    or not unscaled(v_scale) or k_cache is None or block < 1
                     or q3.shape[0] != block * len(req_pool_indices) or not kernel_takes(q3, k_cache, v_cache, block)):
                 decline()
                 return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,

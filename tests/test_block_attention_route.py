@@ -32,13 +32,13 @@ class TritonAttnBackend:  # the name the route looks for, as SGLang's class is c
         self.sglang_calls.append(is_causal)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, custom_mask=None,
-                       sliding_window_size=-1, logit_cap=0.0, cache_dtype=torch.float32):
+                       sliding_window_size=-1, logit_cap=0.0, cache_dtype=torch.float32, kv_scale=1.0):
         bs = q.shape[0] // BLOCK
         cache = torch.zeros(10, KV_HEADS, DIM, dtype=cache_dtype)
         self.extend_attention_fwd(
             q, k, v, torch.empty_like(q), cache, cache.clone(),
             torch.arange(bs + 1) * BLOCK, torch.zeros(bs + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
-            custom_mask, layer.causal, None, BLOCK, 1.0, 1.0, layer.scaling, logit_cap=logit_cap,
+            custom_mask, layer.causal, None, BLOCK, kv_scale, kv_scale, layer.scaling, logit_cap=logit_cap,
             sliding_window_size=sliding_window_size, sinks=None, window_kv_offsets=None, xai_temperature_len=-1,
             page_size=self.page_size,
         )
@@ -74,12 +74,14 @@ def test_target_verify_and_draft_passes_take_the_block_kernel(kernel_calls):
     assert len(kernel_calls) == 3
 
 
-@pytest.mark.parametrize("why", ["prefill", "custom_mask", "window", "soft_cap", "bf16_cache"])
+@pytest.mark.parametrize("why", ["prefill", "custom_mask", "window", "soft_cap", "bf16_cache", "kv_scale",
+                                 "tensor_kv_scale"])
 def test_what_the_block_kernel_lacks_stays_with_sglang(kernel_calls, why):
     backend = TritonAttnBackend()
     assert route.route_block_attention(backend)
     kwargs = {"custom_mask": {"custom_mask": torch.ones(4, dtype=torch.bool)}, "window": {"sliding_window_size": 8},
-              "soft_cap": {"logit_cap": 30.0}, "bf16_cache": {"cache_dtype": torch.bfloat16}}.get(why, {})
+              "soft_cap": {"logit_cap": 30.0}, "bf16_cache": {"cache_dtype": torch.bfloat16},
+              "kv_scale": {"kv_scale": 0.5}, "tensor_kv_scale": {"kv_scale": torch.ones(())}}.get(why, {})
     _forward(backend, verify=why != "prefill", **kwargs)
     assert kernel_calls == [] and backend.sglang_calls == [True]
     assert route.ROUTE.declined == (0 if why == "prefill" else 1)
@@ -133,12 +135,12 @@ class FlashInferAttnBackend:  # SGLang's: writes the block's K/V, then runs the 
         self.plans.append(in_capture)  # SGLang plans the wrappers here, before each capture and replay
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, window_left=-1,
-                       cache_dtype=torch.float32):
+                       cache_dtype=torch.float32, kv_scale=1.0):
         cache = torch.zeros(10, KV_HEADS, DIM, dtype=cache_dtype)
         wrapper = self.forward_metadata.prefill_wrappers[self._get_wrapper_idx(layer)]
         return wrapper.forward(q.view(-1, Q_HEADS, DIM), (cache, cache.clone()), causal=layer.causal,
                                sm_scale=layer.scaling, window_left=window_left, logits_soft_cap=0.0,
-                               k_scale=1.0, v_scale=1.0)
+                               k_scale=kv_scale, v_scale=kv_scale)
 
 
 def _flashinfer_forward(backend, verify=True, causal=True, **kwargs):
@@ -164,12 +166,13 @@ def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypa
     _flashinfer_forward(backend, verify=False)  # a prefill
     _flashinfer_forward(backend, window_left=8)
     _flashinfer_forward(backend, cache_dtype=torch.bfloat16)
-    assert backend.wrapper.calls == [True] * 3 and len(calls) == 2
+    _flashinfer_forward(backend, kv_scale=torch.ones(()))  # a tensor scale: its value is not read
+    assert backend.wrapper.calls == [True] * 4 and len(calls) == 2
     ragged = FlashInferAttnBackend(use_ragged=True)
     assert route.route_block_attention(ragged)
     _flashinfer_forward(ragged)
     assert ragged.wrapper.calls == [True] and len(calls) == 2
-    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 3, "plans_skipped": 0}
+    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 4, "plans_skipped": 0}
 
 
 def _replay(backend, verify=True, in_capture=False, ragged=None):
