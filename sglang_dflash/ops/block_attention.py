@@ -41,6 +41,15 @@ def _attend_tile(q, k, v, live, m_i, l_i, acc, sm_scale, F32: tl.constexpr):
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _load_kv(k_ptr, v_ptr, rows, live, stride_kt, stride_vt, k_head, v_head, d):
+    """Keys ``[D, N]`` (laid out for ``q @ k``) and values ``[N, D]`` of the token rows ``rows``
+    ``[N]``, masked by ``live``; ``k_head``/``v_head``: the KV head's offset within a row."""
+    k = tl.load(k_ptr + rows[None, :] * stride_kt + k_head + d[:, None], mask=live[None, :], other=0.0)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + v_head + d[None, :], mask=live[:, None], other=0.0)
+    return k, v
+
+
 # Batch sizes, prefix lengths and views change every step: one compiled variant serves them all.
 @triton.jit(do_not_specialize=["stride_qt", "stride_kt", "stride_vt", "stride_ot", "index_stride"],
             do_not_specialize_on_alignment=["q_ptr", "k_ptr", "v_ptr", "o_ptr", "rows_ptr", "lens_ptr", "index_ptr"])
@@ -85,10 +94,8 @@ def _block_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         live_n = start + n < hi
         slot = tl.load(index_ptr + kv_start + start + n, mask=live_n, other=0).to(tl.int64)
-        k = tl.load(k_cache_ptr + slot[None, :] * stride_kct + kv_head * stride_kch + d[:, None],
-                    mask=live_n[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + slot[:, None] * stride_vct + kv_head * stride_vch + d[None, :],
-                    mask=live_n[:, None], other=0.0)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, slot, live_n, stride_kct, stride_vct,
+                        kv_head * stride_kch, kv_head * stride_vch, d)
         m_i, l_i, acc = _attend_tile(q, k, v, live_n[None, :], m_i, l_i, acc, sm_scale, F32)
 
     if split == SPLITS - 1:  # the block's own keys: the forward's K/V, or in the cache after the prefix
@@ -96,15 +103,11 @@ def _block_attention_kernel(
         live_j = j < W
         if TABLE:
             slot = tl.load(index_ptr + kv_start + prefix + j, mask=live_j, other=0).to(tl.int64)
-            k = tl.load(k_cache_ptr + slot[None, :] * stride_kct + kv_head * stride_kch + d[:, None],
-                        mask=live_j[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + slot[:, None] * stride_vct + kv_head * stride_vch + d[None, :],
-                        mask=live_j[:, None], other=0.0)
+            k, v = _load_kv(k_cache_ptr, v_cache_ptr, slot, live_j, stride_kct, stride_vct,
+                            kv_head * stride_kch, kv_head * stride_vch, d)
         else:
-            k = tl.load(k_ptr + (b * W + j)[None, :] * stride_kt + kv_head * stride_kh + d[:, None],
-                        mask=live_j[None, :], other=0.0)
-            v = tl.load(v_ptr + (b * W + j)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                        mask=live_j[:, None], other=0.0)
+            k, v = _load_kv(k_ptr, v_ptr, b * W + j, live_j, stride_kt, stride_vt,
+                            kv_head * stride_kh, kv_head * stride_vh, d)
         live = live_j[None, :]
         if CAUSAL:
             live = live & (j[None, :] <= qi[:, None])
