@@ -60,9 +60,8 @@ IMPLEMENTATIONS = {
                     {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
-DFLASH_IMPLS = ("plugin", "builtin", "adaptive", "plugin-fixed", "adaptive-ragged", "plugin-eager-context",
-                "plugin-sglang-prepare", "plugin-sglang-attention", "plugin-flashinfer-plans", "plugin-full-vocab",
-                "plugin-fp8", "builtin-fp8")
+# The implementations that serve DFLASH, read off their flags (a new A/B entry needs no second list).
+DFLASH_IMPLS = tuple(name for name, (flags, _) in IMPLEMENTATIONS.items() if "DFLASH" in flags)
 
 
 def is_implementation(name: str) -> bool:
