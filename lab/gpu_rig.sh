@@ -10,7 +10,8 @@
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps;
 # LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
-# both servers over the same context lengths; steady mode starts each trace at a context of its own).
+# both servers over the same context lengths; steady mode starts each trace at a context of its own);
+# LIGHT=both traces each level both ways on one server, light first (cN-light, then cN).
 # PREFILL_GRAPHS=N: prefills from SGLang's breakable graphs (its default) up to N tokens (default 4096); off: eagerly.
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 # BUDGET=SECONDS (bench): --time-budget, set 30-60 s below the call's limit: a later server starts only if
@@ -44,7 +45,7 @@ case $mode in
     profile)
         python3 -m sglang_dflash.bench.profile_step --rig "$weights" --impls "${IMPLS:-plugin,builtin}" \
             --concurrency "$concs" --steps 20 --trace-dir /tmp/traces-$weights-$backend \
-            $([ "${LIGHT:-0}" = 1 ] && echo --light) \
+            $(case ${LIGHT:-0} in 1) echo --light ;; both) echo --light-too ;; esac) \
             $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens 2048") \
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)

@@ -131,6 +131,35 @@ def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
         profile_step.main(["--output-dir", str(tmp_path / "out")])  # no model and no rig
 
 
+def test_light_too_traces_each_level_both_ways_on_one_server(tmp_path, monkeypatch):
+    from sglang_dflash.bench import profile_step
+
+    servers, traced = [], []
+
+    class OneServer:
+        def __init__(self, spec, **kwargs):
+            servers.append(spec)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_level(server, spec, conc, args, light):
+        traced.append((conc, light))
+        return {"gpu_span_us_per_step": 1} if light else {"trace_span_us_per_step": 1}
+
+    monkeypatch.setattr(profile_step, "Server", OneServer)
+    monkeypatch.setattr(profile_step, "profile_level", fake_level)
+    assert profile_step.main(["--rig", "zero", "--rig-dir", str(tmp_path), "--impls", "plugin", "--light-too",
+                              "--concurrency", "1,32", "--output-dir", str(tmp_path / "out")]) == 0
+    assert len(servers) == 1 and traced == [(1, True), (1, False), (32, True), (32, False)]
+    written = json.load(open(tmp_path / "out" / "profile_step.json"))["plugin"]
+    assert list(written) == ["c1-light", "c1", "c32-light", "c32"]
+    assert written["c1-light"] == {"gpu_span_us_per_step": 1} and written["c32"] == {"trace_span_us_per_step": 1}
+
+
 def test_a_rig_sweep_is_rebuilt_from_its_results_with_plugin_over_builtin(tmp_path, monkeypatch):
     """--from-results brings back the rig settings, and the summary gets the paired-wave ratio."""
     def row(label, conc, step_ms, waves):

@@ -302,25 +302,29 @@ def profile_impl(spec: ServerSpec, args, out_dir: str, on_level=None) -> dict:
     """One server, traced at every ``--concurrency`` level in turn. Steady mode: ``--steps`` steps
     caught mid-flight under constant load. Wave mode: one whole wave of identical requests, from
     their prefill to their last token, so both implementations are traced over the same context
-    lengths. ``on_level(report)`` is called after each level (a cut-off run keeps what it traced)."""
+    lengths. ``on_level(report)`` is called after each level (a cut-off run keeps what it traced).
+    With ``--light-too`` each level is traced twice on the same server, without stacks first
+    (``c{N}-light``), then with them (``c{N}``)."""
     report = {}
     with Server(spec, log_path=os.path.join(out_dir, f"server-{spec.label}.log"), timeout_s=600) as server:
         for conc in args.concurrency:
-            report[f"c{conc}"] = profile_level(server, spec, conc, args)
-            if on_level is not None:
-                on_level(report)
+            kinds = ((True, f"c{conc}-light"), (False, f"c{conc}")) if args.light_too else ((args.light, f"c{conc}"),)
+            for light, key in kinds:
+                report[key] = profile_level(server, spec, conc, args, light)
+                if on_level is not None:
+                    on_level(report)
     return report
 
 
-def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> dict:
-    trace_dir = os.path.join(args.trace_dir, spec.label, f"c{concurrency}")
+def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, light: bool) -> dict:
+    trace_dir = os.path.join(args.trace_dir, spec.label, f"c{concurrency}" + ("-light" if light else ""))
     os.makedirs(trace_dir, exist_ok=True)
     if args.rig:
         payload = rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.SHAPES[args.rig_shape].vocab)[0]
     else:
         payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
                                                              "ignore_eos": True}}
-    start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": not args.light}
+    start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": not light}
     wave = None
     batch = [payload] * concurrency
     if args.wave:
@@ -342,13 +346,13 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args) -> d
     if not traces:
         raise SystemExit(f"{spec.label}: no trace written to {trace_dir}")
     events = load_trace(traces[-1])
-    if args.wave and args.light:  # no Python frames to count: every request of a wave verifies in each step
+    if args.wave and light:  # no Python frames to count: every request of a wave verifies in each step
         steps = max(1, round(wave["spec_verify_ct"] / concurrency))
     else:
         steps = worker_steps(events) if args.wave else args.steps
     if not steps:
         raise SystemExit(f"{spec.label}: the trace holds no call of the speculative worker")
-    if args.light:
+    if light:
         report = {"trace": os.path.basename(traces[-1]), "steps": steps, **idle_gaps(events, steps)}
         if wave is not None:
             report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
@@ -379,6 +383,9 @@ def main(argv=None) -> int:
                     help="trace without Python stacks and summarise only kernel time and where the GPU sits "
                          "idle and why (stack tracing slows the host several-fold); with --wave, both servers "
                          "are traced over the same context lengths")
+    ap.add_argument("--light-too", action="store_true",
+                    help="trace each level both ways on the same server: without stacks (reported as cN-light), "
+                         "then with them (cN)")
     ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (EOS ignored)")
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.",
                     help="the one prompt every request sends")
@@ -418,8 +425,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.output_dir, "profile_step.json"), "w") as f:
             json.dump(report, f, indent=1)
         level, last = next(reversed(levels.items()))
-        keys = (("gpu_span_us_per_step", "gpu_busy_us_per_step", "gpu_idle_us_per_step") if args.light else
-                ("trace_span_us_per_step", "gpu_kernel_us_per_step", "kernel_launches_per_step"))
+        keys = (("gpu_span_us_per_step", "gpu_busy_us_per_step", "gpu_idle_us_per_step") if level.endswith("light")
+                or args.light else ("trace_span_us_per_step", "gpu_kernel_us_per_step", "kernel_launches_per_step"))
         print(json.dumps({impl: {level: {k: last.get(k) for k in keys}}}), flush=True)
 
     for name in impls:
