@@ -9,8 +9,10 @@ them with a prefill kernel, which a block of 16 queries a request leaves mostly 
 * FlashInfer writes the block's K/V to the cache, then runs its planned paged prefill wrapper
   (``prefill_wrapper_paged.forward``). A routed backend lends that wrapper, for the one call, a
   ``forward`` that runs :func:`ops.block_attention_by_table` over the request table instead.
-  Once the kernel serves every such call a backend sees (the CUDA-graph captures included), the
-  wrapper's plan before each replay of those graphs is host work nothing reads, and is skipped.
+  Once the kernel serves every such call a backend's CUDA-graph captures make, the wrapper's plan
+  before each replay of those graphs is host work nothing reads, and is skipped. With it goes the
+  one reason that backend gave the scheduler to copy the committed lengths to the host before each
+  step, a wait on the step in flight (:func:`as_the_scheduler_sees`).
 
 Only where the forward is a TARGET_VERIFY one and the call asks for nothing the block kernel
 lacks (a custom mask, a window, sinks, a soft cap, scales, pages, partial stages, ragged or
@@ -149,12 +151,16 @@ def _route_triton(backend) -> bool:
     return True
 
 
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _route_flashinfer(backend) -> bool:
     forward_extend = backend.forward_extend
-    declined = [0]  # this backend's TARGET_VERIFY calls left to FlashInfer, captures included
+    declined = [0]  # this backend's TARGET_VERIFY calls left to FlashInfer while a CUDA graph captured them
 
     def decline():
-        declined[0] += 1
+        declined[0] += capturing()
         ROUTE.declined += 1
 
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
@@ -206,9 +212,10 @@ def _skip_unused_replay_plans(backend, declined: list) -> None:
     """Before each CUDA-graph replay SGLang plans the FlashInfer wrappers the graph may run: kv
     indices on the GPU, then a host schedule. A TARGET_VERIFY graph captured with every call on the
     block kernel runs no wrapper, and the kernel reads the request table, lengths and pool indices
-    from the graph's own inputs, so that work is skipped while this backend has declined nothing.
-    Backends with more than one wrapper (sliding windows, cross attention) or a sliding-window pool,
-    whose replay set-up refills more than the plan, keep it."""
+    from the graph's own inputs, so that work is skipped while no capture of this backend declined
+    (an eager call that declines plans for itself, from the GPU's lengths). Backends with more
+    than one wrapper (sliding windows, cross attention) or a sliding-window pool, whose replay
+    set-up refills more than the plan, keep it."""
     replay_setup = getattr(backend, "init_forward_metadata_out_graph", None)
     if (replay_setup is None or getattr(backend, "dispatch_reason", None) is not None
             or getattr(backend, "use_sliding_window_kv_pool", False)):
@@ -222,3 +229,30 @@ def _skip_unused_replay_plans(backend, declined: list) -> None:
         return replay_setup(forward_batch, in_capture, *args, **kwargs)
 
     backend.init_forward_metadata_out_graph = unplanned_replay_setup
+    backend._dflash_replays_unplanned = lambda: not declined[0]
+
+
+class WithoutHostLengths:
+    """A backend as SGLang's scheduler sees it when deciding whether to copy each step's committed
+    lengths to the host: here, not needed. Anything else it asks of the backend itself."""
+
+    needs_cpu_seq_lens = False
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def as_the_scheduler_sees(backend):
+    """``backend``, or, for a FlashInfer backend whose DFLASH replays all go unplanned, the same
+    backend without its need for host lengths. SGLang 0.5.17-0.5.23 ask once, after the graphs are
+    captured (``decide_needs_cpu_seq_lens``); FlashInfer says yes for the plans it makes from them,
+    and the copy waits on the step in flight each step. A DFLASH decode step's other forwards take
+    host bounds from the worker (committed + reserved), which an eager plan does not read: it plans
+    from the GPU's lengths. Width 1 verifies a block of one on FlashInfer, no DECODE plan."""
+    unplanned = getattr(backend, "_dflash_replays_unplanned", None)
+    if unplanned is None or not unplanned() or not getattr(backend, "needs_cpu_seq_lens", True):
+        return backend
+    return WithoutHostLengths(backend)

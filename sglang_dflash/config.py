@@ -31,6 +31,9 @@ BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # 0 = FlashInfer still plans its prefill wrapper before every replay of a DFLASH pass that the block
 # kernel serves whole, though the kernel reads nothing the plan makes (A/B runs).
 SKIP_UNUSED_PLANS_ENV = "SGLANG_DFLASH_SKIP_UNUSED_PLANS"
+# 0 = the scheduler still copies each step's committed lengths to the host for a FlashInfer backend
+# whose DFLASH replays go unplanned, though nothing of that backend reads them (A/B runs).
+SKIP_HOST_LENGTHS_ENV = "SGLANG_DFLASH_SKIP_HOST_LENGTHS"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -78,6 +81,10 @@ def block_attention_kernel() -> bool:
 
 def skip_unused_plans() -> bool:
     return os.environ.get(SKIP_UNUSED_PLANS_ENV, "1") != "0"
+
+
+def skip_host_lengths() -> bool:
+    return os.environ.get(SKIP_HOST_LENGTHS_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

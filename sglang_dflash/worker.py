@@ -64,10 +64,10 @@ from . import compat
 from .adaptive import make_fallback, make_width_policy
 from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
                      draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, widths_by_default,
-                     width_policy_kind)
+                     skip_host_lengths, width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
-from .block_attention_route import route_block_attention
+from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
@@ -245,7 +245,14 @@ class DFlashWorker(BaseSpecWorker):
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
-        return (self.model_runner.attn_backend, self.draft_model_runner.attn_backend)
+        """Every backend a decode step runs on, as the scheduler asks them once, after the graphs
+        are captured, whether it must copy the committed lengths to the host before each step. A
+        FlashInfer backend whose DFLASH replays go unplanned needs none (a width-1 DECODE would)."""
+        backends = [self.model_runner.attn_backend, self.draft_model_runner.attn_backend]
+        backends += [b for b, _ in self.width_pairs.values() if all(b is not seen for seen in backends)]
+        if self.width_one_decodes or not skip_host_lengths():
+            return tuple(backends)
+        return tuple(as_the_scheduler_sees(b) for b in backends)
 
     def __getattr__(self, name):
         # The scheduler uses the spec worker as its model worker; the rest is the target's.

@@ -192,9 +192,47 @@ def test_flashinfer_replays_of_routed_passes_go_unplanned(monkeypatch):
     _replay(backend, verify=False)  # a decode or prefill replay plans
     _replay(backend, ragged=object())  # a ragged verify plans
     assert backend.plans == [True, False, False] and route.ROUTE.plans_skipped == 1
-    _flashinfer_forward(backend, window_left=8)  # once a call of this backend declines, every replay plans
+    _flashinfer_forward(backend, window_left=8)  # an eager call that declines plans for itself
     _replay(backend)
-    assert backend.plans == [True, False, False, False] and route.ROUTE.plans_skipped == 1
+    assert backend.plans == [True, False, False] and route.ROUTE.plans_skipped == 2
+    assert route.as_the_scheduler_sees(backend).needs_cpu_seq_lens is False
+    monkeypatch.setattr(route, "capturing", lambda: True)
+    _flashinfer_forward(backend, window_left=8)  # once a capture declines, its graph runs the wrapper
+    _replay(backend)
+    assert backend.plans == [True, False, False, False] and route.ROUTE.plans_skipped == 2
+    assert route.as_the_scheduler_sees(backend) is backend
+
+
+def test_the_scheduler_copies_no_host_lengths_for_a_backend_whose_replays_go_unplanned(monkeypatch):
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: None)
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    backend = FlashInferAttnBackend()
+    assert route.as_the_scheduler_sees(backend) is backend  # not routed
+    assert route.route_block_attention(backend)
+    seen = route.as_the_scheduler_sees(backend)
+    assert seen.needs_cpu_seq_lens is False and seen.backend is backend
+    assert seen.req_to_token_pool is backend.req_to_token_pool  # anything else is the backend's
+    planning = FlashInferAttnBackend()
+    planning.use_sliding_window_kv_pool = True  # its replays keep planning
+    assert route.route_block_attention(planning) and route.as_the_scheduler_sees(planning) is planning
+    triton = TritonAttnBackend()
+    assert route.route_block_attention(triton) and route.as_the_scheduler_sees(triton) is triton
+    try:  # the installed SGLang's decision, from the worker's spec_v2_attn_backends
+        from sglang.srt.managers import overlap_utils
+        from sglang.srt.managers.overlap_utils import decide_needs_cpu_seq_lens
+    except ImportError:
+        return
+    exec_config = SimpleNamespace(overlap=SimpleNamespace(enable_two_batch_overlap=False),
+                                  enable_two_batch_overlap=False)
+    monkeypatch.setattr(overlap_utils, "get_exec", lambda: exec_config, raising=False)
+    monkeypatch.setattr(overlap_utils, "get_spec", lambda: SimpleNamespace(speculative_algorithm="DFLASH"),
+                        raising=False)
+    monkeypatch.setattr("sglang.srt.runtime_context.get_spec", overlap_utils.get_spec, raising=False)
+    args = (SimpleNamespace(enable_two_batch_overlap=False, speculative_algorithm="DFLASH"),)  # 0.5.17-0.5.19
+    if "server_args" not in inspect.signature(decide_needs_cpu_seq_lens).parameters:
+        args = ()
+    assert decide_needs_cpu_seq_lens(*args, (seen, route.as_the_scheduler_sees(backend))) is False
+    assert decide_needs_cpu_seq_lens(*args, (seen, planning)) is True
 
 
 @pytest.mark.parametrize("why", ["switched_off", "sliding_window_pool", "several_wrappers"])

@@ -312,6 +312,33 @@ def test_the_target_runs_a_narrower_block_on_that_widths_backend_and_graphs_then
     assert (worker.model_runner.attn_backend, worker.model_runner.decode_cuda_graph_runner) == ("b16", "g16")
 
 
+def test_the_scheduler_is_shown_every_backend_a_step_runs_on_and_which_need_host_lengths(monkeypatch):
+    from sglang_dflash import block_attention_route as route
+    from sglang_dflash.worker import DFlashWorker
+
+    class Backend:
+        needs_cpu_seq_lens = True
+
+        def __init__(self, unplanned):
+            if unplanned is not None:
+                self._dflash_replays_unplanned = lambda: unplanned
+
+    target, draft, narrow, planning = Backend(True), Backend(True), Backend(True), Backend(False)
+    worker = object.__new__(DFlashWorker)
+    worker.model_runner = SimpleNamespace(attn_backend=target)
+    worker.draft_model_runner = SimpleNamespace(attn_backend=draft)
+    worker.width_pairs, worker.width_one_decodes = {16: (target, "g16"), 8: (narrow, "g8"), 4: (planning, "g4")}, False
+    seen = DFlashWorker.spec_v2_attn_backends.fget(worker)
+    assert [getattr(b, "backend", b) for b in seen] == [target, draft, narrow, planning]
+    assert [b.needs_cpu_seq_lens for b in seen] == [False, False, False, True]
+    worker.width_one_decodes = True  # a width-1 DECODE plans from the host's lengths
+    assert DFlashWorker.spec_v2_attn_backends.fget(worker) == (target, draft, narrow, planning)
+    worker.width_one_decodes = False
+    monkeypatch.setenv("SGLANG_DFLASH_SKIP_HOST_LENGTHS", "0")  # the A/B switch
+    assert DFlashWorker.spec_v2_attn_backends.fget(worker) == (target, draft, narrow, planning)
+    assert route.as_the_scheduler_sees(Backend(None)).needs_cpu_seq_lens is True  # not routed
+
+
 def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_host():
     from collections import deque
 

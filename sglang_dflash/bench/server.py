@@ -49,6 +49,10 @@ IMPLEMENTATIONS = {
     # block kernel serves (A/B of SGLANG_DFLASH_SKIP_UNUSED_PLANS's default).
     "plugin-flashinfer-plans": (["--speculative-algorithm", "DFLASH"],
                                 {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
+    # The plugin while the scheduler still copies each step's lengths to the host for FlashInfer (A/B
+    # of SGLANG_DFLASH_SKIP_HOST_LENGTHS's default).
+    "plugin-host-lengths": (["--speculative-algorithm", "DFLASH"],
+                            {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_HOST_LENGTHS": "0"}),
     # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
     "plugin-full-vocab": (["--speculative-algorithm", "DFLASH"],
                           {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_DRAFT_VOCAB": "full"}),
