@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .config import block_attention_kernel, skip_unused_plans
+from .config import block_attention_kernel, skip_host_lengths, skip_unused_plans
 from .ops.block_attention import block_attention, block_attention_by_table, serves
 
 logger = logging.getLogger("sglang_dflash")
@@ -251,8 +251,10 @@ def as_the_scheduler_sees(backend):
     captured (``decide_needs_cpu_seq_lens``); FlashInfer says yes for the plans it makes from them,
     and the copy waits on the step in flight each step. A DFLASH decode step's other forwards take
     host bounds from the worker (committed + reserved), which an eager plan does not read: it plans
-    from the GPU's lengths. Width 1 verifies a block of one on FlashInfer, no DECODE plan."""
+    from the GPU's lengths. Width 1 verifies a block of one on FlashInfer, no DECODE plan.
+    ``SGLANG_DFLASH_SKIP_HOST_LENGTHS=0`` shows every backend as it is."""
     unplanned = getattr(backend, "_dflash_replays_unplanned", None)
-    if unplanned is None or not unplanned() or not getattr(backend, "needs_cpu_seq_lens", True):
+    if (unplanned is None or not skip_host_lengths() or not unplanned()
+            or not getattr(backend, "needs_cpu_seq_lens", True)):
         return backend
     return WithoutHostLengths(backend)

@@ -64,7 +64,7 @@ from . import compat
 from .adaptive import make_fallback, make_width_policy
 from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
                      draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, widths_by_default,
-                     skip_host_lengths, width_policy_kind)
+                     width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
@@ -250,7 +250,7 @@ class DFlashWorker(BaseSpecWorker):
         FlashInfer backend whose DFLASH replays go unplanned needs none (a width-1 DECODE would)."""
         backends = [self.model_runner.attn_backend, self.draft_model_runner.attn_backend]
         backends += [b for b, _ in self.width_pairs.values() if all(b is not seen for seen in backends)]
-        if self.width_one_decodes or not skip_host_lengths():
+        if self.width_one_decodes:
             return tuple(backends)
         return tuple(as_the_scheduler_sees(b) for b in backends)
 
