@@ -4,8 +4,12 @@ block kernel.
 The target's verify and the draft pass both run as TARGET_VERIFY forwards. Both backends attend
 them with a prefill kernel, which a block of 16 queries a request leaves mostly idle:
 
-* Triton hands the pass to its extend kernel (``backend.extend_attention_fwd``, the same call
-  from 0.5.17 to 0.5.23). A routed backend sends that call to :func:`ops.block_attention`.
+* Triton writes the block's K/V to the cache, then hands the pass to its extend kernel
+  (``backend.extend_attention_fwd``, the same call from 0.5.17 to 0.5.23). A routed backend sends
+  that call to :func:`ops.block_attention_by_table` over the request table (or, where the block
+  was not cached or the table holds ids a unified pool translates, to :func:`ops.block_attention`
+  over the backend's kv indices). A graph whose every call went by the table reads none of the
+  offsets and indices Triton refills from the host before each replay, so that set-up is skipped.
 * FlashInfer writes the block's K/V to the cache, then runs its planned paged prefill wrapper
   (``prefill_wrapper_paged.forward``). A routed backend lends that wrapper, for the one call, a
   ``forward`` that runs :func:`ops.block_attention_by_table` over the request table instead.
@@ -52,7 +56,7 @@ class BlockAttentionRoute:
         self.backends = 0
         self.routed = 0  # extend-kernel calls served by the block kernel (CUDA-graph captures included)
         self.declined = 0  # TARGET_VERIFY calls left to SGLang's kernel
-        self.plans_skipped = 0  # FlashInfer replays of routed graphs that went unplanned
+        self.plans_skipped = 0  # replays of routed graphs without SGLang's set-up (FlashInfer's plan, Triton's indices)
 
     def report(self) -> dict:
         return {"backends": self.backends, "routed_calls": self.routed, "declined_calls": self.declined,
@@ -109,7 +113,7 @@ def route_block_attention(backend) -> bool:
     family = {c.__name__ for c in type(backend).__mro__}
     if "TritonAttnBackend" in family and hasattr(backend, "extend_attention_fwd"):
         routed = _route_triton(backend)
-    elif "FlashInferAttnBackend" in family and hasattr(backend, "_get_wrapper_idx"):
+    elif "FlashInferAttnBackend" in family and hasattr(backend, "_get_wrapper_idx") and table_holds_slots(backend):
         routed = _route_flashinfer(backend)
     else:
         return False
@@ -126,29 +130,80 @@ def _route_triton(backend) -> bool:
         logger.info("DFLASH block attention not routed: SGLang's extend kernel takes %s", names)
         return False
     forward_extend = backend.forward_extend
-    in_block_pass = [False]
+    block_pass = [None]  # (forward_batch, whether the block's K/V go to the cache) while in a TARGET_VERIFY pass
+    reads_indices = [0]  # this backend's TARGET_VERIFY calls captured in a CUDA graph that read SGLang's kv indices
+    table = backend.req_to_token if table_holds_slots(backend) and hasattr(backend, "req_to_token") else None
 
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
-        in_block_pass[0] = forward_batch.forward_mode.is_target_verify()
+        if forward_batch.forward_mode.is_target_verify():
+            saves = kwargs.get("save_kv_cache", args[0] if args else True)
+            block_pass[0] = (forward_batch, bool(saves))
         try:
             return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
         finally:
-            in_block_pass[0] = False
+            block_pass[0] = None
 
     def routed_extend(*args, **kwargs):
-        if in_block_pass[0]:
+        if block_pass[0] is not None:
+            forward_batch, saved = block_pass[0]
             call = dict(zip(names, args))
             call.update(kwargs)
             block_args = block_call(call)
             if block_args is not None:
                 ROUTE.routed += 1
+                q, _, _, o, k_cache, v_cache, _, _, block, sm_scale, causal = block_args
+                if saved and table is not None:  # the block's K/V are in the cache: the table gives every key
+                    rows, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+                    if min(len(rows), len(lens)) >= q.shape[0] // block:
+                        return block_attention_by_table(q, o, k_cache, v_cache, table, rows, lens, block, sm_scale,
+                                                        causal)
+                reads_indices[0] += capturing()
                 return block_attention(*block_args)
             ROUTE.declined += 1
+            reads_indices[0] += capturing()
         return extend(*args, **kwargs)
 
     backend.forward_extend = routed_forward_extend
     backend.extend_attention_fwd = routed_extend
+    if table is not None and skip_unused_plans():
+        _skip_unused_triton_replay_setup(backend, reads_indices)
     return True
+
+
+def table_holds_slots(backend) -> bool:
+    """Whether the request table holds the cache rows themselves: not where a unified pool
+    translates its ids (0.5.20+: the backend's ``kv_index_translator``; 0.5.17: its
+    ``_translate_kv_loc``)."""
+    translator = getattr(backend, "kv_index_translator", None)
+    if translator is not None and getattr(translator, "is_translating", True):
+        return False
+    return getattr(backend, "_translate_kv_loc", None) is None
+
+
+def _skip_unused_triton_replay_setup(backend, reads_indices: list) -> None:
+    """Before each CUDA-graph replay of a TARGET_VERIFY pass, SGLang's Triton backend refills the
+    extend kernel's inputs (query and mask offsets, kv indptr and kv indices) with a dozen small
+    launches from the host, eagerly (SGLang keeps its metadata glue graph off for DFLASH). A graph
+    whose every attention call the block kernel served over the request table reads none of
+    them, so that set-up is skipped while no capture of this backend read them. Backends with
+    sliding windows, context parallelism or DLLM attention, whose set-up fills more, keep it."""
+    replay_setup = getattr(backend, "init_forward_metadata_out_graph", None)
+    window = getattr(backend, "sliding_window_size", None)
+    if (replay_setup is None or (window is not None and window > 0) or getattr(backend, "dcp_size", 1) != 1
+            or getattr(backend, "dllm_attention", None) is not None
+            or getattr(backend, "use_sliding_window_kv_pool", False)):
+        return
+
+    def unset_replay(forward_batch, in_capture=False, *args, **kwargs):
+        spec_info = forward_batch.spec_info
+        if (not in_capture and not reads_indices[0] and forward_batch.forward_mode.is_target_verify()
+                and getattr(spec_info, "ragged_verify_layout", None) is None
+                and getattr(spec_info, "custom_mask", None) is None):
+            ROUTE.plans_skipped += 1
+            return None
+        return replay_setup(forward_batch, in_capture, *args, **kwargs)
+
+    backend.init_forward_metadata_out_graph = unset_replay
 
 
 def capturing() -> bool:

@@ -105,6 +105,106 @@ def test_backends_the_kernel_cannot_serve_are_left_alone(kernel_calls, monkeypat
     assert kernel_calls == [] and backend.sglang_calls == [True]
 
 
+class TableTritonBackend(TritonAttnBackend):
+    """SGLang's Triton backend as 0.5.17-0.5.23 build it: a request table, the replay set-up."""
+
+    def __init__(self, translating=False):
+        super().__init__()
+        self.req_to_token = torch.zeros(4, 32, dtype=torch.int32)
+        self.kv_index_translator = SimpleNamespace(is_translating=translating)
+        self.sliding_window_size = None
+        self.setups = []
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self.setups.append(in_capture)  # SGLang refills qo/kv indptr, kv indices and mask offsets here
+
+
+def _table_forward(backend, verify=True, causal=True, *args, **kwargs):
+    q = torch.randn(2 * BLOCK, Q_HEADS, DIM)
+    k, v = (torch.randn(2 * BLOCK, KV_HEADS * DIM) for _ in range(2))
+    batch = SimpleNamespace(forward_mode=_mode(verify), req_pool_indices=torch.tensor([3, 1]),
+                            seq_lens=torch.tensor([5, 9]))
+    backend.forward_extend(q, k, v, SimpleNamespace(causal=causal, scaling=0.125), batch, *args, **kwargs)
+
+
+@pytest.fixture
+def table_calls(monkeypatch, kernel_calls):
+    calls = []
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: calls.append(args))
+    return calls
+
+
+def test_triton_passes_whose_block_is_cached_read_every_key_by_the_request_table(table_calls, kernel_calls):
+    backend = TableTritonBackend()
+    assert route.route_block_attention(backend)
+    _table_forward(backend, causal=True)
+    _table_forward(backend, causal=False)
+    assert backend.sglang_calls == [] and kernel_calls == [] and [c[-1] for c in table_calls] == [True, False]
+    q, o, k_cache, v_cache, table, req_pool_indices, prefix_lens, block, sm_scale, causal = table_calls[0]
+    assert table is backend.req_to_token and req_pool_indices.tolist() == [3, 1] and prefix_lens.tolist() == [5, 9]
+    assert block == BLOCK and sm_scale == 0.125 and q.shape == o.shape and k_cache.shape == (10, KV_HEADS, DIM)
+    _table_forward(backend, save_kv_cache=False)  # the block's K/V not in the cache: the backend's indices
+    _table_forward(backend, True, True, False)  # (by position too)
+    assert len(kernel_calls) == 2 and len(table_calls) == 2
+    _table_forward(backend, verify=False)
+    assert backend.sglang_calls == [True]
+    translating = TableTritonBackend(translating=True)  # a unified pool: the table holds ids, not rows
+    assert route.route_block_attention(translating)
+    _table_forward(translating)
+    assert len(kernel_calls) == 3 and len(table_calls) == 2
+
+
+def _triton_replay(backend, verify=True, in_capture=False, ragged=None, custom_mask=None):
+    spec_info = SimpleNamespace(ragged_verify_layout=ragged, custom_mask=custom_mask)
+    backend.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=_mode(verify), spec_info=spec_info),
+                                            in_capture=in_capture)
+
+
+def test_triton_replays_of_passes_read_by_table_skip_the_replay_set_up(table_calls, kernel_calls, monkeypatch):
+    backend = TableTritonBackend()
+    assert route.route_block_attention(backend)
+    _triton_replay(backend, in_capture=True)  # a capture sets up as SGLang does, then runs the routed layers
+    monkeypatch.setattr(route, "capturing", lambda: True)
+    _table_forward(backend)
+    _triton_replay(backend)  # a replay of that graph: no set-up
+    _triton_replay(backend, verify=False)  # a decode or prefill replay sets up
+    _triton_replay(backend, ragged=object())
+    _triton_replay(backend, custom_mask=torch.ones(1))
+    assert backend.setups == [True, False, False, False] and route.ROUTE.plans_skipped == 1
+    _table_forward(backend, save_kv_cache=False)  # a captured call that reads the backend's kv indices
+    _triton_replay(backend)
+    assert backend.setups == [True, False, False, False, False] and route.ROUTE.plans_skipped == 1
+    declining = TableTritonBackend()
+    assert route.route_block_attention(declining)
+    _table_forward(declining, sliding_window_size=8)  # SGLang's kernel, captured
+    _triton_replay(declining)
+    assert declining.setups == [False]
+
+
+@pytest.mark.parametrize("why", ["switched_off", "sliding_window", "translating", "no_table"])
+def test_triton_replays_set_up_where_the_skip_does_not_hold(table_calls, kernel_calls, monkeypatch, why):
+    if why == "switched_off":
+        monkeypatch.setenv("SGLANG_DFLASH_SKIP_UNUSED_PLANS", "0")
+    backend = TableTritonBackend(translating=why == "translating")
+    if why == "sliding_window":
+        backend.sliding_window_size = 4096
+    if why == "no_table":
+        del backend.req_to_token
+    assert route.route_block_attention(backend)
+    _table_forward(backend)
+    _triton_replay(backend)
+    assert backend.setups == [False] and route.ROUTE.plans_skipped == 0
+
+
+def test_a_table_of_ids_a_unified_pool_translates_is_no_table_of_slots():
+    assert route.table_holds_slots(SimpleNamespace())
+    assert route.table_holds_slots(SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=False)))
+    assert not route.table_holds_slots(SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True)))
+    assert not route.table_holds_slots(SimpleNamespace(kv_index_translator=SimpleNamespace()))  # unknown: no
+    assert not route.table_holds_slots(SimpleNamespace(_translate_kv_loc=lambda loc: loc))  # 0.5.17
+    assert route.table_holds_slots(SimpleNamespace(_translate_kv_loc=None))
+
+
 class PagedPrefillWrapper:
     def __init__(self):
         self.calls = []
@@ -173,6 +273,9 @@ def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypa
     _flashinfer_forward(ragged)
     assert ragged.wrapper.calls == [True] and len(calls) == 2
     assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 4, "plans_skipped": 0}
+    translating = FlashInferAttnBackend()
+    translating.kv_index_translator = SimpleNamespace(is_translating=True)
+    assert not route.route_block_attention(translating)  # its table holds ids, not cache rows
 
 
 def _replay(backend, verify=True, in_capture=False, ragged=None):
@@ -284,3 +387,28 @@ def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forw
     assert "forward_batch: ForwardBatch,\n        in_capture: bool = False," in setup
     assert "elif forward_mode.is_target_verify():\n            self.indices_updater_prefill.update(" in setup
     assert setup.count("self.use_sliding_window_kv_pool") == 1
+
+
+def test_sglang_triton_backend_caches_the_block_before_the_kernel_and_sets_up_only_its_inputs():
+    """The installed SGLang's Triton backend writes a pass's K/V to the cache before its extend
+    kernel (so the table reads the block), keeps the request table, and before a replay refills
+    only what the extend kernel reads (and a sliding-window pool's write loc)."""
+    from sglang_dflash import compat
+
+    root = compat.installed_source_root()
+    if root is None:
+        pytest.skip("no SGLang sources")
+    with open(f"{root}/srt/layers/attention/triton_backend.py") as f:
+        source = f.read()
+    extend = source[source.index("    def forward_extend("):]
+    extend = extend[: extend.index("\n    def ", 10)]
+    kernel = "self._forward_extend_kernel(" if "self._forward_extend_kernel(" in extend else "self.extend_attention_fwd("
+    assert extend.index("if save_kv_cache:") < extend.index(kernel)  # 0.5.23 / 0.5.17
+    assert "self.req_to_token = model_runner.req_to_token_pool.req_to_token" in source
+    setup = source[source.index("    def init_forward_metadata_out_graph("):]
+    setup = setup[: setup.index("\n    def ", 10)]
+    assert "forward_batch: ForwardBatch,\n        in_capture: bool = False," in setup
+    verify = source[source.index("    def _update_target_verify_buffers("):]
+    verify = verify[: verify.index("\n    def ", 10)]
+    for filled in ("qo_indptr", "kv_indptr", "mask_indptr", "custom_mask"):
+        assert filled in verify

@@ -45,8 +45,11 @@ IMPLEMENTATIONS = {
     # of SGLANG_DFLASH_BLOCK_ATTENTION's default).
     "plugin-sglang-attention": (["--speculative-algorithm", "DFLASH"],
                                 {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BLOCK_ATTENTION": "0"}),
-    # The plugin with FlashInfer planning its wrappers before every replay of the DFLASH passes the
-    # block kernel serves (A/B of SGLANG_DFLASH_SKIP_UNUSED_PLANS's default).
+    # The plugin with SGLang setting up its attention metadata (FlashInfer's plans, Triton's kv
+    # indices) before every replay of the DFLASH passes the block kernel serves (A/B of
+    # SGLANG_DFLASH_SKIP_UNUSED_PLANS's default); "plugin-flashinfer-plans" is its name in session 35.
+    "plugin-replay-setup": (["--speculative-algorithm", "DFLASH"],
+                            {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
     "plugin-flashinfer-plans": (["--speculative-algorithm", "DFLASH"],
                                 {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
     # The plugin while the scheduler still copies each step's lengths to the host for FlashInfer (A/B
