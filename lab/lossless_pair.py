@@ -9,7 +9,9 @@ is rewritten after each stage, so a run cut short still says how far it got.
                                 [--widths auto [--width-policy cycle] [--fallback force] [--plain-too]]
                                 [--server-default [--plain-too]]
                                 [--smollm2 TARGET_DIR --draft DIR --data-dir DIR] [--context-ab 64]
-                                [--prefill-graphs off|on|N]
+                                [--prefill-graphs off|on|N] [--backend triton] [--dtype float32]
+    python lab/lossless_pair.py OUTDIR --backend flashinfer --dtype bfloat16 --ab-only \
+                                --context-ab 64 --ab-env SGLANG_DFLASH_SKIP_HOST_LENGTHS=0
 
 Two pairs: the tiny one (random weights, about 1.3 tokens a step) and, with ``--smollm2``,
 SmolLM2-135M-Instruct with the shipped draft (about 3.5 a step on gsm8k), whose blocks are mostly
@@ -19,11 +21,17 @@ Greedy prompts must match AR exactly (float32, IEEE dots); a stop/budget workloa
 and budgets inside verify blocks and must match AR's tokens and finish reasons; both KV pools must
 be back to 0 afterwards. Exit 1 on any mismatch.
 
-``--context-ab N`` also starts the plugin with the draft context written by eager launches after
-the accept (``SGLANG_DFLASH_CONTEXT_IN_GRAPH=0``) and first sends the first N greedy prompts one at
-a time to both plugin servers: the drafts must be the same, so every request must take as many
-verify steps on either (the in-graph write also fills rejected rows, which must never be read).
-Sent before anything else, they meet the same widths on both under ``--width-policy cycle``.
+``--context-ab N`` also starts the plugin with one switch flipped (``--ab-env``; by default the draft
+context written by eager launches after the accept, ``SGLANG_DFLASH_CONTEXT_IN_GRAPH=0``) and first
+sends the first N greedy prompts one at a time to both plugin servers: where the switch changes no
+kernel, the tokens and the drafts must be the same, so every request must take as many verify steps
+on either (the in-graph write also fills rejected rows, which must never be read). Sent before
+anything else, they meet the same widths on both under ``--width-policy cycle``.
+
+That A/B is how a backend without a float32 path (``--backend flashinfer --dtype bfloat16``) is
+checked decisively: two servers running the same kernels on the same requests one at a time must
+agree to the bit, where plain decoding in bfloat16 only agrees up to near-ties. ``--ab-only`` starts
+just those two servers; the comparison with plain decoding needs float32.
 """
 
 import argparse
@@ -47,9 +55,26 @@ FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none",
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
-def server_flags(prefill_graphs="off"):
-    """FLAGS with prefills eager (off), from SGLang's default graphs (on) or from graphs of up to N tokens."""
-    return FLAGS + prefill_graph_flags(prefill_graphs, "--prefill-graphs")
+def server_flags(prefill_graphs="off", backend="triton", dtype="float32"):
+    """FLAGS on ``backend`` in ``dtype``, with prefills eager (off), from SGLang's default graphs (on)
+    or from graphs of up to N tokens."""
+    flags = list(FLAGS)
+    flags[flags.index("--attention-backend") + 1] = backend
+    flags[flags.index("--dtype") + 1] = dtype
+    return flags + prefill_graph_flags(prefill_graphs, "--prefill-graphs")
+
+
+def server_env(dtype="float32"):
+    """ENV for a float32 run; a half-precision one runs SGLang's own kernels as they are."""
+    return dict(ENV) if dtype == "float32" else {}
+
+
+def switch(text):
+    """``NAME=VALUE`` -> {NAME: VALUE}, for --ab-env."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return {name: value}
 
 
 def workload(n, new_tokens, vocab, length=32):
@@ -94,6 +119,22 @@ def compare(ar, plugin):
                 tokens=tokens, kv_after=kv)
 
 
+def same_requests(a, b):
+    """Two plugin servers' answers to the same requests, sent one at a time: the A/B record."""
+    steps = [(x.spec_verify_ct, y.spec_verify_ct) for x, y in zip(a, b)]
+    differ = [i for i, (x, y) in enumerate(steps) if x != y]
+    tokens = [i for i, (x, y) in enumerate(zip(a, b)) if x.output_ids != y.output_ids]
+    return {"prompts": len(a), "requests_with_other_verify_steps": len(differ), "first": differ[:10],
+            "verify_steps": {"plugin": sum(x for x, _ in steps), "plugin-switched": sum(y for _, y in steps)},
+            "same_tokens": not tokens, "requests_with_other_tokens": len(tokens),
+            "errors": sum(bool(r.error) for r in list(a) + list(b))}
+
+
+def ab_clean(ab):
+    return (ab["requests_with_other_verify_steps"] == 0 and ab["same_tokens"] and not ab.get("errors")
+            and ab["prompts"] > 0)
+
+
 def first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -125,9 +166,24 @@ def main():
                         help="prefills eager (off, default), from SGLang's default breakable graphs (on, as a user "
                              "passing no graph flag gets them), or from graphs of up to N tokens")
     parser.add_argument("--context-ab", type=int, default=0, metavar="N",
-                        help="compare the verify steps of N prompts, one at a time, with the draft context "
-                             "written in the verify graphs and after the accept (default 0: not run)")
+                        help="compare the tokens and verify steps of N prompts, one at a time, with and without "
+                             "the --ab-env switch (default 0: not run)")
+    parser.add_argument("--ab-env", type=switch, default={"SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"}, metavar="NAME=VALUE",
+                        help="what the A/B's second plugin server differs by (default "
+                             "SGLANG_DFLASH_CONTEXT_IN_GRAPH=0: the draft context written after the accept)")
+    parser.add_argument("--ab-only", action="store_true",
+                        help="with --context-ab: only the two plugin servers, no comparison with plain decoding")
+    parser.add_argument("--backend", default="triton", help="--attention-backend of every server (default triton)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="--dtype of every server (default float32; a half type needs --ab-only)")
     args = parser.parse_args()
+    if args.ab_only and not args.context_ab:
+        parser.error("--ab-only needs --context-ab N")
+    if args.dtype != "float32" and not args.ab_only:
+        parser.error(f"--dtype {args.dtype}: plain decoding agrees with DFLASH only up to near-ties there; "
+                     "check with --context-ab N --ab-only (the same kernels on both servers)")
+    if args.ab_only and (args.plain_too or args.server_default):
+        parser.error("--ab-only runs no plain-decoding comparison: drop --plain-too and --server-default")
     if args.fallback and not args.widths:
         parser.error("--fallback needs --widths (width 1 among them)")
     if args.plain_too and not (args.widths or args.server_default):
@@ -137,7 +193,7 @@ def main():
     if args.smollm2 and not args.draft:
         parser.error("--smollm2 needs --draft")
     try:
-        flags = server_flags(args.prefill_graphs)
+        flags = server_flags(args.prefill_graphs, args.backend, args.dtype)
     except ValueError as e:
         parser.error(str(e))
     exit_on_sigterm()
@@ -154,7 +210,8 @@ def main():
     widths = {"SGLANG_DFLASH_WIDTHS": args.widths, "SGLANG_DFLASH_WIDTH_POLICY": args.width_policy} if args.widths else {}
     if args.fallback:
         widths["SGLANG_DFLASH_FALLBACK"] = args.fallback
-    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": "float32",
+    record = {"sglang": compat.running().version, "family": compat.running().family, "dtype": args.dtype,
+              "backend": args.backend,
               "pair": "smollm2" if args.smollm2 else "tiny", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block,
               "server_default": args.server_default,
@@ -169,15 +226,18 @@ def main():
     def server(name, env):
         plain = name == "ar"
         block = None if plain or (name == "plugin" and args.server_default) else args.block
-        spec = ServerSpec("ar" if plain else "plugin", target, None if plain else draft, block, flags, {**ENV, **env})
+        spec = ServerSpec("ar" if plain else "plugin", target, None if plain else draft, block, flags,
+                          {**server_env(args.dtype), **env})
         return Server(spec, log_path=os.path.join(args.out, f"server-{name}.log"), timeout_s=420)
 
-    servers = {"ar": server("ar", {}), "plugin": server("plugin", widths)}
+    servers = {} if args.ab_only else {"ar": server("ar", {})}
+    servers["plugin"] = server("plugin", widths)
     if args.plain_too:
         servers["plugin-plain"] = server("plugin-plain", {})
     if args.context_ab:
-        servers["plugin-eager-context"] = server("plugin-eager-context", {**widths, "SGLANG_DFLASH_CONTEXT_IN_GRAPH": "0"})
-    checked = [k for k in servers if k in ("ar", "plugin", "plugin-plain")]
+        servers["plugin-switched"] = server("plugin-switched", {**widths, **args.ab_env})
+        record["ab_env"] = args.ab_env
+    checked = [] if args.ab_only else [k for k in servers if k in ("ar", "plugin", "plugin-plain")]
     try:
         start_together(list(servers.values()))  # fixed pools: no start can shrink another's
         save(stage="servers up")
@@ -187,13 +247,16 @@ def main():
             save(stage="context a/b")
             one_by_one = greedy[: args.context_ab]
             with ThreadPoolExecutor(2) as pool:
-                ab = dict(zip(("plugin", "plugin-eager-context"), pool.map(
-                    lambda name: run_requests(servers[name].url, one_by_one, 1)[0], ("plugin", "plugin-eager-context"))))
-            steps = {k: [r.spec_verify_ct for r in v] for k, v in ab.items()}
-            differ = [i for i, (a, b) in enumerate(zip(steps["plugin"], steps["plugin-eager-context"])) if a != b]
-            save(context_ab={"prompts": len(one_by_one), "requests_with_other_verify_steps": len(differ),
-                             "first": differ[:10], "verify_steps": {k: sum(v) for k, v in steps.items()},
-                             "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(*ab.values()))})
+                ab = dict(zip(("plugin", "plugin-switched"), pool.map(
+                    lambda name: run_requests(servers[name].url, one_by_one, 1)[0], ("plugin", "plugin-switched"))))
+            save(context_ab=same_requests(ab["plugin"], ab["plugin-switched"]))
+        if args.ab_only:
+            save(stage="done", ab_kv_after={k: kv_loads(servers[k].url) for k in ("plugin", "plugin-switched")},
+                 plugin_dflash=server_info(servers["plugin"].url).get("dflash"))
+            print(json.dumps(record))
+            kvs = record["ab_kv_after"].values()
+            idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in kvs)
+            sys.exit(0 if ab_clean(record["context_ab"]) and idle else 1)
         with ThreadPoolExecutor(len(checked)) as pool:
             outs = dict(zip(checked, pool.map(
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
@@ -211,7 +274,7 @@ def main():
     results = [main_result] + ([record["plain"]] if args.plain_too else [])
     clean = not any(r["greedy_mismatches"] or r["stop_mismatches"] or r["errors"] for r in results)
     if args.context_ab:
-        clean = clean and record["context_ab"]["requests_with_other_verify_steps"] == 0 and record["context_ab"]["same_tokens"]
+        clean = clean and ab_clean(record["context_ab"])
     if args.server_default:  # the default is adaptive width; a named block is the one width
         clean = clean and len((plugin_info or {}).get("widths") or []) > 1
     if args.plain_too:

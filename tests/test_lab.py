@@ -126,6 +126,46 @@ def test_the_lossless_pair_keeps_sglangs_prefill_graphs_when_asked():
         lp.server_flags("all")
 
 
+def test_the_lossless_pair_runs_on_another_backend_and_dtype_as_asked():
+    lp = load_lossless_pair()
+    flags = lp.server_flags("off", "flashinfer", "bfloat16")
+    assert flags[flags.index("--attention-backend") + 1] == "flashinfer"
+    assert flags[flags.index("--dtype") + 1] == "bfloat16" and flags.count("--dtype") == 1
+    assert lp.server_flags()[lp.server_flags().index("--dtype") + 1] == "float32"
+    assert lp.server_env("float32")["TRITON_F32_DEFAULT"] == "ieee" and lp.server_env("bfloat16") == {}
+    assert lp.switch("SGLANG_DFLASH_SKIP_HOST_LENGTHS=0") == {"SGLANG_DFLASH_SKIP_HOST_LENGTHS": "0"}
+    for bad in ("NOVALUE", "=0"):
+        with pytest.raises(Exception, match="NAME=VALUE"):
+            lp.switch(bad)
+
+
+def test_a_half_precision_run_is_checked_by_the_same_kernels_a_b_only(monkeypatch, capsys):
+    lp = load_lossless_pair()
+    for argv, why in ((["out", "--dtype", "bfloat16"], "near-ties"), (["out", "--ab-only"], "needs --context-ab"),
+                      (["out", "--context-ab", "4", "--ab-only", "--plain-too", "--widths", "auto"], "drop --plain-too")):
+        monkeypatch.setattr(sys, "argv", ["lossless_pair.py"] + argv)
+        with pytest.raises(SystemExit):
+            lp.main()
+        assert why in capsys.readouterr().err
+
+
+def test_the_a_b_needs_the_same_tokens_and_verify_steps_from_both_servers():
+    from types import SimpleNamespace as R
+    lp = load_lossless_pair()
+
+    def ok(ids, steps, error=None):
+        return R(output_ids=ids, spec_verify_ct=steps, error=error)
+
+    same = lp.same_requests([ok([1, 2], 2), ok([3], 1)], [ok([1, 2], 2), ok([3], 1)])
+    assert lp.ab_clean(same) and same["verify_steps"] == {"plugin": 3, "plugin-switched": 3}
+    tokens = lp.same_requests([ok([1, 2], 2)], [ok([1, 9], 2)])
+    assert not lp.ab_clean(tokens) and tokens["requests_with_other_tokens"] == 1
+    steps = lp.same_requests([ok([1, 2], 2)], [ok([1, 2], 1)])
+    assert not lp.ab_clean(steps) and steps["first"] == [0]
+    assert not lp.ab_clean(lp.same_requests([ok([], 0, "boom")], [ok([], 0, "boom")]))
+    assert not lp.ab_clean(lp.same_requests([], []))
+
+
 def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
     from types import SimpleNamespace as R
     lp = load_lossless_pair()
