@@ -517,6 +517,8 @@ def test_idle_gaps_name_the_kernel_that_ends_each_gap_and_what_the_late_host_was
     assert g["host_doing_while_late"] == {"cudaStreamSynchronize": 6.0, "aten::argmax": 8.0}
     assert g["kernels_us_per_step"] == {"verify_gemm": 20.0, "draft_gemm": 10.0, "copy": 10.0, "accept": 5.0,
                                         "tiny": 1.0}
+    assert g["kernel_calls_per_step"]["tiny"] == 1 and g["kernel_launches_per_step"] == 5
+    assert list(idle_gaps(events, steps=1, kernels_top=2)["kernels_us_per_step"]) == ["verify_gemm", "draft_gemm"]
     assert idle_gaps([ev("cpu", "cpu_op", 0, 1)], steps=1) == {}
 
 

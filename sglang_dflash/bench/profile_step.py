@@ -184,7 +184,7 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
 GPU_BUSY = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int = 12) -> dict:
+def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int = 12, kernels_top: int = 40) -> dict:
     """Where the GPU waits within steady decoding, from a trace without Python stacks (``--light``;
     stack tracing slows the host several-fold and makes every step look host-bound). Each idle
     stretch is named by the kernel that ends it and the host call that launched that kernel; when
@@ -221,11 +221,14 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
                         host_doing[op["name"][:80]] += hi - lo
         end = max(end, e["ts"] + e["dur"])
     span = end - busy[0]["ts"]
-    kernel_time = defaultdict(float)
+    kernel_time, kernel_calls = defaultdict(float), defaultdict(int)
     for e in busy:
         kernel_time[e["name"][:90]] += e["dur"]
+        kernel_calls[e["name"][:90]] += 1
     per_step = lambda us: round(us / steps, 1)  # noqa: E731
-    ranked = lambda d: {k: per_step(v) for k, v in sorted(d.items(), key=lambda x: -x[1])[:top]}  # noqa: E731
+    ranked = lambda d, n=top: {k: per_step(v) for k, v in sorted(d.items(), key=lambda x: -x[1])[:n]}  # noqa: E731
+    # The long tail too: small kernels add up where a step's GEMMs are the same on both sides.
+    kernels = ranked(kernel_time, kernels_top)
     return {
         "gpu_span_us_per_step": per_step(span),
         "gpu_busy_us_per_step": per_step(span - idle),
@@ -233,7 +236,9 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
         "idle_before": ranked(by_next),
         "host_late_launching": ranked(host_late),
         "host_doing_while_late": ranked(host_doing),
-        "kernels_us_per_step": ranked(kernel_time),
+        "kernels_us_per_step": kernels,
+        "kernel_calls_per_step": {k: round(kernel_calls[k] / steps, 2) for k in kernels},
+        "kernel_launches_per_step": round(len(busy) / steps, 1),
     }
 
 
