@@ -135,6 +135,11 @@ def ab_clean(ab):
             and ab["prompts"] > 0)
 
 
+def all_idle(kv_loads_after):
+    """Every server's KV pool back to 0 with nothing running."""
+    return all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in kv_loads_after)
+
+
 def first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -254,9 +259,7 @@ def main():
             save(stage="done", ab_kv_after={k: kv_loads(servers[k].url) for k in ("plugin", "plugin-switched")},
                  plugin_dflash=server_info(servers["plugin"].url).get("dflash"))
             print(json.dumps(record))
-            kvs = record["ab_kv_after"].values()
-            idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in kvs)
-            sys.exit(0 if ab_clean(record["context_ab"]) and idle else 1)
+            sys.exit(0 if ab_clean(record["context_ab"]) and all_idle(record["ab_kv_after"].values()) else 1)
         with ThreadPoolExecutor(len(checked)) as pool:
             outs = dict(zip(checked, pool.map(
                 lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
@@ -281,9 +284,7 @@ def main():
         clean = clean and (plain_info or {}).get("widths") == [args.block]
     if args.prefill_graphs != "off":  # the check covers what it says: prefills replayed from SGLang's graphs
         clean = clean and bool((plugin_info or {}).get("prefills_in_graphs"))
-    kvs = [outs[k][2] for k in checked]
-    idle = all(kv.get("num_used_tokens") == 0 and kv.get("num_running_reqs") == 0 for kv in kvs)
-    sys.exit(0 if clean and idle else 1)
+    sys.exit(0 if clean and all_idle(outs[k][2] for k in checked) else 1)
 
 
 if __name__ == "__main__":

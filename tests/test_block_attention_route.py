@@ -362,17 +362,28 @@ def test_sglang_extend_kernel_takes_the_arguments_the_route_reads():
     assert set(names[len(route._POSITIONAL):]) <= route._UNREAD | set(route._AT_DEFAULT)
 
 
-def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forward():
-    """The installed SGLang's FlashInfer backend attends a TARGET_VERIFY pass through
-    ``prefill_wrapper_paged.forward`` with the keywords the lent ``forward`` reads, and keeps the
-    attributes the route consults."""
+def _sglang_backend_source(name: str) -> str:
+    """The installed SGLang's ``srt/layers/attention/NAME.py``; the test skips without sources."""
     from sglang_dflash import compat
 
     root = compat.installed_source_root()
     if root is None:
         pytest.skip("no SGLang sources")
-    with open(f"{root}/srt/layers/attention/flashinfer_backend.py") as f:
-        source = f.read()
+    with open(f"{root}/srt/layers/attention/{name}.py") as f:
+        return f.read()
+
+
+def _method(source: str, name: str) -> str:
+    """The body of the class method ``name`` in ``source``, up to the next method."""
+    body = source[source.index(f"    def {name}("):]
+    return body[: body.index("\n    def ", 10)]
+
+
+def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forward():
+    """The installed SGLang's FlashInfer backend attends a TARGET_VERIFY pass through
+    ``prefill_wrapper_paged.forward`` with the keywords the lent ``forward`` reads, and keeps the
+    attributes the route consults."""
+    source = _sglang_backend_source("flashinfer_backend")
     call = source[source.index("o = prefill_wrapper_paged.forward("):]
     call = call[: call.index("\n            )\n")]
     for keyword in ("causal=", "sm_scale=", "window_left=", "logits_soft_cap=", "k_scale=", "v_scale="):
@@ -382,8 +393,7 @@ def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forw
         assert attribute in source
     # the replay set-up the route skips: (forward_batch, in_capture), planning TARGET_VERIFY through
     # the prefill updater and refilling only the sliding-window pool's buffer beside it
-    setup = source[source.index("    def init_forward_metadata_out_graph("):]
-    setup = setup[: setup.index("\n    def ", 10)]
+    setup = _method(source, "init_forward_metadata_out_graph")
     assert "forward_batch: ForwardBatch,\n        in_capture: bool = False," in setup
     assert "elif forward_mode.is_target_verify():\n            self.indices_updater_prefill.update(" in setup
     assert setup.count("self.use_sliding_window_kv_pool") == 1
@@ -393,22 +403,13 @@ def test_sglang_triton_backend_caches_the_block_before_the_kernel_and_sets_up_on
     """The installed SGLang's Triton backend writes a pass's K/V to the cache before its extend
     kernel (so the table reads the block), keeps the request table, and before a replay refills
     only what the extend kernel reads (and a sliding-window pool's write loc)."""
-    from sglang_dflash import compat
-
-    root = compat.installed_source_root()
-    if root is None:
-        pytest.skip("no SGLang sources")
-    with open(f"{root}/srt/layers/attention/triton_backend.py") as f:
-        source = f.read()
-    extend = source[source.index("    def forward_extend("):]
-    extend = extend[: extend.index("\n    def ", 10)]
+    source = _sglang_backend_source("triton_backend")
+    extend = _method(source, "forward_extend")
     kernel = "self._forward_extend_kernel(" if "self._forward_extend_kernel(" in extend else "self.extend_attention_fwd("
     assert extend.index("if save_kv_cache:") < extend.index(kernel)  # 0.5.23 / 0.5.17
     assert "self.req_to_token = model_runner.req_to_token_pool.req_to_token" in source
-    setup = source[source.index("    def init_forward_metadata_out_graph("):]
-    setup = setup[: setup.index("\n    def ", 10)]
+    setup = _method(source, "init_forward_metadata_out_graph")
     assert "forward_batch: ForwardBatch,\n        in_capture: bool = False," in setup
-    verify = source[source.index("    def _update_target_verify_buffers("):]
-    verify = verify[: verify.index("\n    def ", 10)]
+    verify = _method(source, "_update_target_verify_buffers")
     for filled in ("qo_indptr", "kv_indptr", "mask_indptr", "custom_mask"):
         assert filled in verify

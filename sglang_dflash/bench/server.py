@@ -50,8 +50,6 @@ IMPLEMENTATIONS = {
     # SGLANG_DFLASH_SKIP_UNUSED_PLANS's default); "plugin-flashinfer-plans" is its name in session 35.
     "plugin-replay-setup": (["--speculative-algorithm", "DFLASH"],
                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
-    "plugin-flashinfer-plans": (["--speculative-algorithm", "DFLASH"],
-                                {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
     # The plugin while the scheduler still copies each step's lengths to the host for FlashInfer (A/B
     # of SGLANG_DFLASH_SKIP_HOST_LENGTHS's default).
     "plugin-host-lengths": (["--speculative-algorithm", "DFLASH"],
@@ -67,6 +65,7 @@ IMPLEMENTATIONS = {
                     {"SGLANG_DFLASH_IMPL": "builtin"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
+IMPLEMENTATIONS["plugin-flashinfer-plans"] = IMPLEMENTATIONS["plugin-replay-setup"]
 # The implementations that serve DFLASH, read off their flags (a new A/B entry needs no second list).
 DFLASH_IMPLS = tuple(name for name, (flags, _) in IMPLEMENTATIONS.items() if "DFLASH" in flags)
 
