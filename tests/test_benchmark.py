@@ -561,6 +561,13 @@ def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, cap
     assert "| 108 / 100 (50) |" in open(tmp_path / "out" / "pooled_waves.md").read()  # 700/6.5, 700/7, 400/8
     with pytest.raises(SystemExit):
         pool_main([str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "x")])
+    # any two of the runs' servers: the plugin against AR, pooled over the one run that had both
+    assert pool_main(paths + ["--output-dir", str(tmp_path / "ar"), "--pair", "plugin", "ar"]) == 0
+    against_ar = json.load(open(tmp_path / "ar" / "pooled_waves.json"))["pooled"]["c8"]
+    assert against_ar["waves"] == 2 and against_ar["geomean"] == pytest.approx((2.2 * 1.8) ** 0.5)
+    assert "# plugin / ar, paired waves pooled over 2 interleaved runs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no run has the two
+        pool_main(paths + ["--output-dir", str(tmp_path / "y"), "--pair", "plugin", "plugin-fixed"])
 
 
 def test_cpu_slices_keep_servers_and_client_apart():

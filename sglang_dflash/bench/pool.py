@@ -6,9 +6,11 @@ adjacent in time) gives a geometric mean with a 95% bootstrap interval; the acce
 pooled as all completion tokens over all verify steps.
 
     python -m sglang_dflash.bench.pool RUN/results.json [RUN2/results.json ...] --output-dir DIR
+                                       [--pair plugin-replay-setup builtin]
 
 Each run's results.json comes from sglang-dflash-bench --interleave; the pooled figures go to
-DIR/pooled_waves.json and DIR/pooled_waves.md.
+DIR/pooled_waves.json and DIR/pooled_waves.md. ``--pair A B`` pools A / B for any two of the
+runs' servers (default plugin / builtin): a variant against the built-in, or against the plugin.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
     ap = parser(__doc__, prog="python -m sglang_dflash.bench.pool")
     ap.add_argument("results", nargs="+", help="results.json of runs made with --interleave (one folder each)")
     ap.add_argument("--output-dir", required=True, help="where pooled_waves.json and pooled_waves.md go")
+    ap.add_argument("--pair", nargs=2, default=("plugin", "builtin"), metavar=("A", "B"),
+                    help="the two servers (labels of the runs' rows) to pool A / B for (default plugin builtin)")
     args = ap.parse_args(argv)
     runs = {}
     for path in args.results:
@@ -87,11 +91,12 @@ def main(argv=None) -> int:
         except (ValueError, KeyError, TypeError):
             ap.error(f"{path} is not a benchmark results.json (no rows)")
         runs[os.path.basename(os.path.dirname(os.path.abspath(path)))] = rows
-    result = pool(runs)
+    a, b = args.pair
+    result = pool(runs, a, b)
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "pooled_waves.json"), "w") as f:
         json.dump(result, f, indent=1)
-    text = markdown(result)
+    text = markdown(result, a, b)
     with open(os.path.join(args.output_dir, "pooled_waves.md"), "w") as f:
         f.write(text)
     print(text, end="")
