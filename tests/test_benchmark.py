@@ -990,3 +990,31 @@ def test_a_level_whose_requests_outgrow_the_kv_pool_is_named():
     failed = [RequestResult(ok=False, completion_tokens=0)]
     assert kv_pool_short(done + failed, 64, 23380) == {"pool": 23380, "needed": 24576}
     assert kv_pool_short(done, 32, 23380) is None and kv_pool_short(done, 64, None) is None
+
+
+def test_kernel_diff_sets_two_traced_steps_side_by_side_largest_difference_first(tmp_path, capsys):
+    from sglang_dflash.bench.kernel_diff import main as kernel_diff_main
+
+    def level(kernels, calls, busy):
+        return {"kernels_us_per_step": kernels, "kernel_calls_per_step": calls, "gpu_busy_us_per_step": busy,
+                "gpu_idle_us_per_step": 10.0}
+
+    first = {"settings": {}, "plugin": {"c1": level({"gemm": 100.0, "head": 9.0, "attn": 20.0},
+                                                    {"gemm": 4, "head": 1, "attn": 2}, 130.0)},
+             "builtin": {"c1": level({"gemm": 100.0, "head": 40.0, "merge": 3.0}, {"gemm": 4, "head": 1, "merge": 2},
+                                     145.0)}}
+    other = {"plugin": {"c1-light": level({"gemm": 90.0}, {"gemm": 4}, 95.0)}}
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    assert kernel_diff_main([f"{tmp_path}/a.json:plugin:c1", f"{tmp_path}/a.json:builtin"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == ["head", "attn", "merge", "gemm"]  # by |difference|, then name
+    assert "| `head` | 9.0 | 40.0 | -31.0 | 1 | 1 |" in rows and "| `merge` | 0.0 | 3.0 | -3.0 | 0 | 2 |" in rows
+    assert "| gpu_busy_us_per_step | 130.0 | 145.0 | -15.0 |" in out
+    assert kernel_diff_main([f"{tmp_path}/a.json", f"{tmp_path}/b.json", "--top", "1"]) == 0  # first server, level
+    out = capsys.readouterr().out
+    assert "# plugin:c1 against plugin:c1-light" in out and out.count("| `") == 1
+    for bad in (f"{tmp_path}/a.json:ar", f"{tmp_path}/a.json:plugin:c8", f"{tmp_path}/missing.json"):
+        with pytest.raises(SystemExit, match="kernel_diff: "):
+            kernel_diff_main([bad, f"{tmp_path}/a.json"])
