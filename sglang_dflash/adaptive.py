@@ -158,6 +158,7 @@ class WidthPolicy:
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> (best width, the step it is held until)
         self.refreshes = 0
         self.reasons: Counter = Counter()  # (bucket, width, why) -> steps: which rule chose each width
+        self.switch_log: deque = deque(maxlen=32)  # the latest changes of a bucket's held width, and why
 
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
@@ -247,8 +248,20 @@ class WidthPolicy:
                 best = held
             elif self.acceptance.expected_tokens(best) / fresh <= (1 + self.margin / 4) * self.throughput(held, bs):
                 best = held
+            else:
+                self._log_switch(b, held, best, fresh)
         self.current[b] = best
         return best
+
+    def _log_switch(self, b: int, held: int, best: int, fresh: float) -> None:
+        """What a bucket's held width was replaced on: each width's cost estimate (the least of its
+        recent samples), the new width's own fresh sample, and the tokens each is expected to commit."""
+        self.switch_log.append({
+            "step": self.steps, "bucket": b, "from": held, "to": best,
+            "from_ms": round(self.costs.estimate(held, b) * 1000, 3),
+            "to_ms": round(self.costs.estimate(best, b) * 1000, 3), "to_fresh_ms": round(fresh * 1000, 3),
+            "from_tokens": round(self.acceptance.expected_tokens(held), 3),
+            "to_tokens": round(self.acceptance.expected_tokens(best), 3)})
 
     def _worth_measuring(self, bs: int, chosen: int) -> Optional[int]:
         """The next width in turn that could beat ``chosen`` if it cost ``margin`` less; a width
@@ -314,6 +327,12 @@ class WidthPolicy:
         for (b, w, why), n in sorted(self.reasons.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
             out.setdefault(f"{w}@{b}", {})[why] = n
         return out
+
+    def switches(self) -> list[dict]:
+        """The latest changes of a bucket's held width (``best`` steps), oldest first, each with
+        the costs and expected tokens it was made on: why a width was held where its cost, read
+        later, says it should not have been."""
+        return list(self.switch_log)
 
     def acceptance_rates(self) -> list[float]:
         """The running acceptance of drafts 1..B-1, each given the ones before it were accepted."""

@@ -377,6 +377,12 @@ def test_another_width_replaces_the_held_one_only_on_a_sample_timed_beside_it():
     run(cheaper, rng, 60, lambda w: 0.0020)
     run(cheaper, rng, 64, lambda w: 0.0030 if w == 16 else 0.0012)  # now width 8 really is cheaper
     assert cheaper.current[1] == 8
+    # the server's report keeps what each switch was made on (a hold it cannot explain is readable)
+    assert policy.switches() == []
+    switch = cheaper.switches()[0]
+    assert (switch["bucket"], switch["from"], switch["to"]) == (1, 16, 8) and switch["to_fresh_ms"] == 1.2
+    assert switch["from_ms"] == 3.0 and switch["to_tokens"] < switch["from_tokens"]
+    assert switch["to_tokens"] / switch["to_fresh_ms"] > switch["from_tokens"] / switch["from_ms"]
 
 
 def test_the_verify_widths_switch(monkeypatch):
