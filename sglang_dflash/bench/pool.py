@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="results.json of runs made with --interleave (one folder each)")
     ap.add_argument("--output-dir", required=True, help="where pooled_waves.json and pooled_waves.md go")
     ap.add_argument("--pair", nargs=2, default=("plugin", "builtin"), metavar=("A", "B"),
-                    help="the two servers (labels of the runs' rows) to pool A / B for (default plugin builtin)")
+                    help="the two servers (labels of the runs' rows) to pool A / B for")
     args = ap.parse_args(argv)
     runs = {}
     for path in args.results:
