@@ -16,10 +16,10 @@ output against a float64 reference; the block kernel also at 1, 2, 4, 8 and 16 p
 import argparse
 import json
 import math
-import statistics
 
 import torch
 
+from cuda_timing import graph_us
 from sglang.kernels.ops.attention.flash_attention import flash_attn_with_kvcache
 
 from sglang_dflash.ops.block_attention import block_attention_by_table, default_splits
@@ -61,30 +61,6 @@ def fa3(p, o, causal):
 def block(p, o, causal, splits=None):
     block_attention_by_table(p["q"], o, p["kc"], p["vc"], p["table"], p["rows"], p["lens"], W, 1 / math.sqrt(D),
                              causal, splits=splits)
-
-
-def graph_us(fn, calls, reps=7):
-    """Microseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
 
 
 def main():

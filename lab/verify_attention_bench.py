@@ -16,10 +16,10 @@ the extend kernel's and from a float64 reference.
 import argparse
 import json
 import math
-import statistics
 
 import torch
 
+from cuda_timing import event_us
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 
@@ -67,21 +67,6 @@ def run_block(p, o, splits):
                     splits=splits)
 
 
-def time_us(fn, calls=50, reps=7):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -100,17 +85,17 @@ def main():
         kvi_graph[: p["kvi"].numel()] = p["kvi"]
         o_ext = torch.empty_like(p["q"])
         row = {"bs": bs, "context": [lo, hi], "dtype": args.dtype,
-               "extend_us": time_us(lambda: run_extend(p, o_ext))}
+               "extend_us": event_us(lambda: run_extend(p, o_ext))}
         outs = {"extend": o_ext}
         if not args.no_split_kv:
             outs["split4"], outs["split16"] = torch.empty_like(p["q"]), torch.empty_like(p["q"])
-            row["split4_us"] = time_us(lambda: run_split(p, outs["split4"], p["kvi"]))
-            row["split16_us"] = time_us(lambda: run_split(p, outs["split16"], kvi_graph))
+            row["split4_us"] = event_us(lambda: run_split(p, outs["split4"], p["kvi"]))
+            row["split16_us"] = event_us(lambda: run_split(p, outs["split16"], kvi_graph))
         row["block_default_splits"] = default_splits(bs, HKV, p["q"].device)
         for splits in (None, 1, 2, 4, 8):
             name = "block" if splits is None else f"block_s{splits}"
             outs[name] = torch.empty_like(p["q"])
-            row[f"{name}_us"] = time_us(lambda: run_block(p, outs[name], splits))
+            row[f"{name}_us"] = event_us(lambda: run_block(p, outs[name], splits))
         ref = reference(p)
         for name, o in outs.items():
             row[f"{name}_max_err_vs_f64"] = float((o.double() - ref).abs().max())
