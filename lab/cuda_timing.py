@@ -1,6 +1,10 @@
 """Microseconds per call of a GPU function, as the lab's kernel benchmarks time it: CUDA events
-around repeated calls, the median of a few repetitions."""
+around repeated calls, the median of a few repetitions.
 
+    from cuda_timing import event_us, graph_us      (lab/fa3_verify_bench.py, lab/verify_attention_bench.py)
+"""
+
+import argparse
 import statistics
 
 import torch
@@ -34,3 +38,7 @@ def graph_us(fn, calls: int, reps: int = 7) -> float:
         for _ in range(calls):
             fn()
     return event_us(graph.replay, 1, reps) / calls
+
+
+if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
