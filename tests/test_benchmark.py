@@ -15,7 +15,7 @@ import pytest
 
 from conftest import write_char_tokenizer
 
-from sglang_dflash.bench import cli, offline_accept_length, pool, profile_step, stress, sweep
+from sglang_dflash.bench import cli, kernel_diff, offline_accept_length, pool, profile_step, stress, sweep
 from sglang_dflash.bench import datasets as fd
 from sglang_dflash.bench import server as server_mod
 from sglang_dflash.train import __main__ as train_cli
@@ -618,7 +618,7 @@ def documented_parsers(monkeypatch, module):
     return built + subcommands
 
 
-@pytest.mark.parametrize("module", [sweep, fd, stress, pool, profile_step, offline_accept_length, train_cli,
+@pytest.mark.parametrize("module", [sweep, fd, stress, pool, kernel_diff, profile_step, offline_accept_length, train_cli,
                                     train_plot], ids=lambda m: m.__name__)
 def test_every_option_of_every_command_is_documented(module, monkeypatch, capsys):
     for ap in documented_parsers(monkeypatch, module):
