@@ -352,6 +352,10 @@ class SGLangRelease:
             Symbol("sglang.srt.layers.linear", "QKVParallelLinear"),
             Symbol("sglang.srt.layers.linear", "RowParallelLinear"),
             Symbol("sglang.srt.layers.logits_processor", "LogitsProcessorOutput"),
+            # verify logits in the model's dtype (sampling.HalfVerifyLogits)
+            Symbol("sglang.srt.layers.logits_processor", "LogitsProcessor._get_logits",
+                   ("hidden_states", "lm_head", "logits_metadata", "embedding_bias", "use_logits_buffer")),
+            Symbol("sglang.srt.layers.logits_processor", "LogitsMetadata.next_token_logits_buffer"),
             Symbol("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod"),
             Symbol("sglang.srt.layers.radix_attention", "AttentionType"),
             Symbol("sglang.srt.layers.radix_attention", "RadixAttention.__init__",

@@ -34,6 +34,9 @@ SKIP_UNUSED_PLANS_ENV = "SGLANG_DFLASH_SKIP_UNUSED_PLANS"
 # 0 = the scheduler still copies each step's committed lengths to the host for a FlashInfer backend
 # whose DFLASH replays go unplanned, though nothing of that backend reads them (A/B runs).
 SKIP_HOST_LENGTHS_ENV = "SGLANG_DFLASH_SKIP_HOST_LENGTHS"
+# 0 = the target's verify logits cast to float32 inside every verify, as SGLang does, instead of only
+# for the batches that read more than an argmax (sampling.HalfVerifyLogits; A/B runs).
+HALF_VERIFY_LOGITS_ENV = "SGLANG_DFLASH_HALF_VERIFY_LOGITS"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -85,6 +88,10 @@ def skip_unused_plans() -> bool:
 
 def skip_host_lengths() -> bool:
     return os.environ.get(SKIP_HOST_LENGTHS_ENV, "1") != "0"
+
+
+def half_verify_logits() -> bool:
+    return os.environ.get(HALF_VERIFY_LOGITS_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

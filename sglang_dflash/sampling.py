@@ -183,3 +183,89 @@ class OutputCounts:
         flat = rows[:, None] * self.vocab_size + candidates.to(torch.int64)
         self.counts.view(-1).index_add_(0, flat.view(-1), keep.view(-1).to(torch.float32))
         self.n_out.index_add_(0, rows, torch.where(rows > 0, commit_len.to(torch.int64), 0))
+
+
+class HalfVerifyLogits:
+    """The target's verify logits left in the model's dtype; float32 only for the batches that use them.
+
+    SGLang casts every logits row to float32 inside the verify (a kernel reading 2 and writing 4
+    bytes a vocabulary entry, then an argmax reading 4): at 32 requests x 16 positions x 152k
+    entries that is about 0.2 ms of a 15 ms step. A greedy batch with nothing per position needs
+    only the argmax, and the argmax of half-precision values is the argmax of their (exact)
+    float32 casts, ties included. So a TARGET_VERIFY forward writes the lm_head's output in the
+    model's dtype straight into the float32 logits buffer SGLang shares across its CUDA graphs
+    (its first half, as half-precision storage: no graph holds logits of its own), and
+    :meth:`for_accept` casts to float32 where the batch asks for more: penalties, bias, custom
+    processors, grammar, logprobs or sampling, which then see what SGLang would have given them.
+    """
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.sglang_get_logits = processor._get_logits
+        self.verifies = 0  # TARGET_VERIFY lm_heads written in the model's dtype (graph captures included)
+
+    @staticmethod
+    def unserved(processor, lm_head) -> Optional[str]:
+        """Why the verify logits must stay SGLang's, or None: anything between the lm_head's GEMM
+        and the logits that this class would skip (a gather across ranks, a soft cap, a float32
+        or quantised or LoRA lm_head) keeps SGLang's own path."""
+        if getattr(processor, "do_tensor_parallel_all_gather", False) or getattr(
+                processor, "do_tensor_parallel_all_gather_dp_attn", False):
+            return "logits gathered across ranks"
+        if getattr(processor, "final_logit_softcapping", None):
+            return "a soft-capped lm_head"
+        if (getattr(processor, "use_fp32_lm_head", False) or getattr(processor, "use_fp32_lm_head_output", False)
+                or getattr(processor, "rl_on_policy_target", None) is not None):
+            return "a float32 lm_head"
+        if hasattr(lm_head, "set_lora") or hasattr(lm_head, "apply_lora"):
+            return "a LoRA lm_head"
+        quant = getattr(lm_head, "quant_method", None)
+        if quant is not None and type(quant).__name__ != "UnquantizedEmbeddingMethod":
+            return "a quantised lm_head"
+        weight = getattr(lm_head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float16, torch.bfloat16):
+            return "a float32 model" if isinstance(weight, torch.Tensor) else "an lm_head without a weight"
+        return None
+
+    def install(self) -> None:
+        self.processor._get_logits = self.get_logits
+
+    def get_logits(self, hidden_states, lm_head, logits_metadata, embedding_bias=None, use_logits_buffer=True):
+        """``LogitsProcessor._get_logits`` for this processor: the half-precision path for a
+        TARGET_VERIFY forward, SGLang's for everything else (prefills and plain decode steps)."""
+        weight = lm_head.weight
+        if not logits_metadata.forward_mode.is_target_verify() or hidden_states.dtype != weight.dtype:
+            return self.sglang_get_logits(hidden_states, lm_head, logits_metadata, embedding_bias, use_logits_buffer)
+        shared = logits_metadata.next_token_logits_buffer if use_logits_buffer else None
+        out = half_view(shared, hidden_states.shape[0], weight.shape[0], weight.dtype)
+        logits = torch.mm(hidden_states, weight.t(), out=out) if out is not None else torch.mm(hidden_states, weight.t())
+        if self.processor.logit_scale is not None:
+            logits.mul_(self.processor.logit_scale)
+        self.verifies += 1
+        vocab = self.processor.vocab_size
+        return logits[:, :vocab] if logits.shape[-1] > vocab else logits
+
+    @staticmethod
+    def for_accept(logits: torch.Tensor, argmax_only: bool) -> torch.Tensor:
+        """The logits the accept step reads: as they are for a greedy argmax, else float32."""
+        return logits if argmax_only or logits.dtype == torch.float32 else logits.float()
+
+
+def half_view(shared: Optional[torch.Tensor], rows: int, cols: int, dtype) -> Optional[torch.Tensor]:
+    """``rows x cols`` of ``dtype`` (2 bytes) over the start of a float32 buffer of ``rows`` rows,
+    or None where it does not fit (no buffer, another row count, too narrow)."""
+    if shared is None or shared.dtype != torch.float32 or not shared.is_contiguous() or shared.shape[0] != rows:
+        return None
+    flat = shared.view(-1).view(dtype)
+    if flat.numel() < rows * cols:
+        return None
+    return flat[: rows * cols].view(rows, cols)
+
+
+def argmax_only(batch, penalty_rows: Optional[torch.Tensor]) -> bool:
+    """Whether a verify's accept needs nothing of its logits but each position's argmax: greedy,
+    and no penalties, bias, custom processors, grammar or logprobs."""
+    info = batch.sampling_info
+    return (penalty_rows is None and not batch.has_grammar and not batch.return_logprob
+            and (info is None or (info.is_all_greedy and info.logit_bias is None
+                                  and not info.has_custom_logit_processor)))

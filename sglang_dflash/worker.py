@@ -63,8 +63,8 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from . import compat
 from .adaptive import make_fallback, make_width_policy
 from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
-                     draft_fallback, draft_vocab_rows, ragged_verify, verify_widths, widths_by_default,
-                     width_policy_kind)
+                     draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
+                     widths_by_default, width_policy_kind)
 from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
@@ -72,7 +72,7 @@ from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_inpu
 from .host_pauses import StepStalls, process_pauses
 from .ops import accept_block, prepare_block
 from .ops.ragged import RaggedLanes
-from .sampling import OutputCounts, to_device_async
+from .sampling import HalfVerifyLogits, OutputCounts, argmax_only, to_device_async
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -195,6 +195,7 @@ class DFlashWorker(BaseSpecWorker):
             self.draft_model.prepare_context_kv(self.device)
             self.context_in_graph = ContextInVerifyGraph(self.write_context_kv)
             self.model_runner.capture_tail_hooks.append(self.context_in_graph.capture_hook)
+        self.half_logits = self._half_verify_logits()
         self.pauses = process_pauses()  # from now on, for /get_server_info
         self.stalls = StepStalls()
         if get_parallel().tp_rank == 0:
@@ -205,6 +206,22 @@ class DFlashWorker(BaseSpecWorker):
                 ",".join(sorted(set(self.config.layer_types))), list(self.config.target_layer_ids),
                 bundle.resolved_attention_backend, "in bulk" if bulk_prepare_serves() else "SGLang's own",
             )
+
+    def _half_verify_logits(self) -> Optional[HalfVerifyLogits]:
+        """Verify logits in the model's dtype (:class:`HalfVerifyLogits`), installed before the
+        scheduler captures the target's graphs; None where SGLang's float32 path must stay."""
+        if not half_verify_logits():
+            return None
+        model = self.model_runner.model
+        processor, lm_head = getattr(model, "logits_processor", None), getattr(model, "lm_head", None)
+        why_not = "no logits processor" if processor is None else HalfVerifyLogits.unserved(processor, lm_head)
+        if why_not is not None:
+            if get_parallel().tp_rank == 0:
+                logger.info("DFLASH verify logits cast to float32 in every verify (%s)", why_not)
+            return None
+        half = HalfVerifyLogits(processor)
+        half.install()
+        return half
 
     def _adaptive_width_unserved(self, server_args) -> Optional[str]:
         """Why a step cannot choose its width here, or None: each rank must be free to choose alone,
@@ -323,8 +340,8 @@ class DFlashWorker(BaseSpecWorker):
     def server_info(self) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
         allocator retries), the worker calls that stalled, the decode steps and those whose draft
-        or verify ran outside CUDA graphs, and, with adaptive width, the widths chosen so far
-        (decode steps per width)."""
+        or verify ran outside CUDA graphs, the verifies whose logits stayed in half precision, and,
+        with adaptive width, the widths chosen so far (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
@@ -332,6 +349,8 @@ class DFlashWorker(BaseSpecWorker):
                 "stalls": self.stalls.report(), "bulk_prepare": bulk_prepare_serves(),
                 "block_attention": BLOCK_ROUTE.report(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
+        # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
+        info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
         if self.draft_head is not None and self.draft_head.rows_read is not None:
             info["draft_vocab"] = {"rows": self.draft_head.rows_read, "rebuilds": self.draft_head.vocab.rebuilds}
         if self.width_policy is not None:
@@ -390,6 +409,8 @@ class DFlashWorker(BaseSpecWorker):
             if request_widths is not None:  # what each request was verified at, and so may keep
                 request_widths = (request_widths[0], lane_widths)
         logits_output, can_run_graph, context_written = self.verify_step(batch, block, lane_widths)
+        logits_output.next_token_logits = HalfVerifyLogits.for_accept(
+            logits_output.next_token_logits, block.lanes is not None or argmax_only(batch, penalty_rows))
         self.decode_steps += 1
         if not can_run_graph:
             self.eager_verifies[width] += 1
@@ -622,11 +643,7 @@ class DFlashWorker(BaseSpecWorker):
         """Each request's verified candidates in a ragged verify: its own width where the batch
         asks for nothing per position (greedy, no penalties, bias, processors, grammar or
         logprobs), else the batch's (compact graphs need a layout on every verify, uniform too)."""
-        info = batch.sampling_info
-        plain = (request_widths is not None and penalty_rows is None and not batch.has_grammar
-                 and not batch.return_logprob
-                 and (info is None or (info.is_all_greedy and info.logit_bias is None
-                                       and not info.has_custom_logit_processor)))
+        plain = request_widths is not None and argmax_only(batch, penalty_rows)
         return list(request_widths[1]) if plain else [width] * len(batch.seq_lens)
 
     def _verify_ragged(self, batch, block: DraftBlock, lane_widths: list):

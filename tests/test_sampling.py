@@ -284,3 +284,114 @@ def test_sglangs_sync_decoding_matches_only_with_repetition_applied_last():
     seen, unseen = [2, 3, 5, 7], [1, 4, 6, 8]
     assert torch.equal(repetition_first[0, unseen], accumulated[0, unseen])
     assert ((repetition_first[0, seen] - accumulated[0, seen]).abs() > 0.01).all()
+
+
+class FakeLogitsProcessor:
+    """SGLang's LogitsProcessor as far as the verify's lm_head goes: the GEMM in the model's dtype,
+    then the float32 cast into the shared buffer (``_copy_logits_to_buffer``)."""
+
+    def __init__(self, vocab_size, **attrs):
+        self.vocab_size, self.logit_scale, self.final_logit_softcapping = vocab_size, None, None
+        self.do_tensor_parallel_all_gather = self.use_fp32_lm_head = False
+        self.calls = 0
+        self.__dict__.update(attrs)
+
+    def _get_logits(self, hidden_states, lm_head, logits_metadata, embedding_bias=None, use_logits_buffer=True):
+        self.calls += 1
+        logits = torch.mm(hidden_states, lm_head.weight.t())[:, : self.vocab_size]
+        if self.logit_scale is not None:
+            logits.mul_(self.logit_scale)
+        buf = logits_metadata.next_token_logits_buffer if use_logits_buffer else None
+        if buf is not None and buf.shape == logits.shape:
+            return buf.copy_(logits)
+        return logits.float()
+
+
+def verify_metadata(rows, vocab, mode="TARGET_VERIFY", buffer=True):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    buf = torch.full((rows, vocab), float("nan")) if buffer else None
+    return SimpleNamespace(forward_mode=getattr(ForwardMode, mode), next_token_logits_buffer=buf)
+
+
+@pytest.mark.parametrize("padded_rows", [0, 24])
+def test_half_verify_logits_are_the_lm_heads_output_in_the_shared_buffer_with_sglangs_argmax(padded_rows):
+    """A TARGET_VERIFY forward's logits: the lm_head's bf16 output, written over the float32 buffer
+    SGLang shares across graphs (no tensor of its own), scaled as SGLang scales them, cut to the
+    vocabulary; their argmax is the argmax of SGLang's float32 logits, ties included (first index)."""
+    from sglang_dflash.sampling import HalfVerifyLogits
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden, rows = 1000, 64, 48
+    weight = torch.randn(vocab + padded_rows, hidden, generator=gen).to(torch.bfloat16)
+    weight[7] = weight[900]  # two columns tie in every row
+    h = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    h[:8] = weight[7] * 4  # ... and the tie is the maximum in these rows
+    lm_head = SimpleNamespace(weight=weight)
+    for scale in (None, 0.5):
+        processor = FakeLogitsProcessor(vocab, logit_scale=scale)
+        assert HalfVerifyLogits.unserved(processor, lm_head) is None
+        sglang_logits = processor._get_logits(h, lm_head, verify_metadata(rows, vocab))
+        half = HalfVerifyLogits(processor)
+        half.install()
+        meta = verify_metadata(rows, vocab)
+        logits = processor._get_logits(h, lm_head, meta)
+        assert logits.dtype == torch.bfloat16 and logits.shape == (rows, vocab) and half.verifies == 1
+        assert logits.data_ptr() == meta.next_token_logits_buffer.data_ptr()
+        assert torch.equal(logits.float(), sglang_logits)
+        assert torch.equal(logits.argmax(-1), sglang_logits.argmax(-1))
+        assert (logits.argmax(-1)[:8] == 7).all()
+        for other in (verify_metadata(rows, vocab, mode="DECODE"), verify_metadata(rows, vocab, buffer=False)):
+            calls = processor.calls
+            out = processor._get_logits(h, lm_head, other)
+            assert torch.equal(out.float(), sglang_logits)
+            assert (processor.calls > calls) == (other.forward_mode.name == "DECODE")  # SGLang's path for DECODE
+        fewer_rows = verify_metadata(rows - 1, vocab)  # a buffer of another shape is left alone
+        assert processor._get_logits(h, lm_head, fewer_rows).dtype == torch.bfloat16
+        assert fewer_rows.next_token_logits_buffer.isnan().all()
+
+
+def test_half_verify_logits_leave_every_lm_head_they_would_change_to_sglang():
+    from sglang_dflash.sampling import HalfVerifyLogits
+
+    bf16 = SimpleNamespace(weight=torch.zeros(4, 2, dtype=torch.bfloat16))
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4), bf16) is None
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4, final_logit_softcapping=30.0), bf16) == "a soft-capped lm_head"
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4, do_tensor_parallel_all_gather=True), bf16) == \
+        "logits gathered across ranks"
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4, use_fp32_lm_head_output=True), bf16) == "a float32 lm_head"
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4), SimpleNamespace(weight=torch.zeros(4, 2))) == \
+        "a float32 model"
+    quantised = SimpleNamespace(weight=bf16.weight, quant_method=SimpleNamespace())
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4), quantised) == "a quantised lm_head"
+    lora = SimpleNamespace(weight=bf16.weight, set_lora=None, apply_lora=None)
+    assert HalfVerifyLogits.unserved(FakeLogitsProcessor(4), lora) == "a LoRA lm_head"
+
+
+def test_the_accept_reads_float32_logits_wherever_the_batch_asks_for_more_than_an_argmax():
+    """What plain decoding applies in float32 (penalties, bias, processors, grammar, logprobs,
+    sampling) gets float32 logits, equal to SGLang's cast; a plain greedy batch keeps the half ones."""
+    from sglang_dflash.sampling import HalfVerifyLogits, argmax_only
+
+    greedy = SimpleNamespace(is_all_greedy=True, logit_bias=None, has_custom_logit_processor=False)
+
+    def batch(info=greedy, grammar=False, logprob=False):
+        return SimpleNamespace(sampling_info=info, has_grammar=grammar, return_logprob=logprob)
+
+    asks_more = [
+        (batch(), torch.ones(2, dtype=torch.int64)),  # penalty rows
+        (batch(SimpleNamespace(is_all_greedy=False, logit_bias=None, has_custom_logit_processor=False)), None),
+        (batch(SimpleNamespace(is_all_greedy=True, logit_bias=torch.zeros(2, 4), has_custom_logit_processor=False)),
+         None),
+        (batch(SimpleNamespace(is_all_greedy=True, logit_bias=None, has_custom_logit_processor=True)), None),
+        (batch(grammar=True), None),
+        (batch(logprob=True), None),
+    ]
+    assert argmax_only(batch(), None) and argmax_only(batch(info=None), None)
+    assert not any(argmax_only(b, rows) for b, rows in asks_more)
+    half = torch.randn(6, 5).to(torch.bfloat16)
+    assert HalfVerifyLogits.for_accept(half, True) is half
+    cast = HalfVerifyLogits.for_accept(half, False)
+    assert cast.dtype == torch.float32 and torch.equal(cast, half.float())
+    full = torch.randn(6, 5)
+    assert HalfVerifyLogits.for_accept(full, False) is full

@@ -493,6 +493,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.prefills, worker.prefills_in_graphs = 3, 2
     worker.pauses = process_pauses()
     worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
+    worker.half_logits = SimpleNamespace(verifies=7)
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -514,15 +515,16 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
-                               "draft_vocab": {"rows": 32768, "rebuilds": 3}}
+                               "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
-    worker.draft_head.rows_read = worker.draft_head.vocab = None
+    worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     fixed.pop("bulk_prepare"), fixed.pop("block_attention")
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
-                                                  "prefills": 3, "prefills_in_graphs": 2}
+                                                  "prefills": 3, "prefills_in_graphs": 2,
+                                                  "half_verify_logits": None}
     monkeypatch.setattr(integration, "_serving", False)
     assert "dflash" not in integration.server_info_hook(sglang_state, scheduler, None).internal_state
 
@@ -875,7 +877,7 @@ def fallback_worker(fallback, choose):
     worker.block_size, worker.fallback, worker.widths_logged_at, worker.ragged = 16, fallback, 0, False
     worker.width_policy = WidthPolicy(16, (16, 4, 1))
     worker.width_policy.choose = choose
-    worker.steps_in_flight, worker.draft_head = deque(), None
+    worker.steps_in_flight, worker.draft_head, worker.half_logits = deque(), None, None
     return worker
 
 

@@ -54,6 +54,10 @@ IMPLEMENTATIONS = {
     # of SGLANG_DFLASH_SKIP_HOST_LENGTHS's default).
     "plugin-host-lengths": (["--speculative-algorithm", "DFLASH"],
                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_HOST_LENGTHS": "0"}),
+    # The target's verify logits cast to float32 in every verify, as SGLang does (A/B of
+    # SGLANG_DFLASH_HALF_VERIFY_LOGITS's default).
+    "plugin-fp32-logits": (["--speculative-algorithm", "DFLASH"],
+                           {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_HALF_VERIFY_LOGITS": "0"}),
     # The plugin's draft head reading every lm_head row (A/B of SGLANG_DFLASH_DRAFT_VOCAB's default).
     "plugin-full-vocab": (["--speculative-algorithm", "DFLASH"],
                           {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_DRAFT_VOCAB": "full"}),
