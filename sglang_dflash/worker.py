@@ -410,7 +410,7 @@ class DFlashWorker(BaseSpecWorker):
                 request_widths = (request_widths[0], lane_widths)
         logits_output, can_run_graph, context_written = self.verify_step(batch, block, lane_widths)
         logits_output.next_token_logits = HalfVerifyLogits.for_accept(
-            logits_output.next_token_logits, block.lanes is not None or argmax_only(batch, penalty_rows))
+            logits_output.next_token_logits, argmax_only(batch, penalty_rows))
         self.decode_steps += 1
         if not can_run_graph:
             self.eager_verifies[width] += 1
