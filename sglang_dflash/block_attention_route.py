@@ -10,6 +10,10 @@ them with a prefill kernel, which a block of 16 queries a request leaves mostly 
   was not cached or the table holds ids a unified pool translates, to :func:`ops.block_attention`
   over the backend's kv indices). A graph whose every call went by the table reads none of the
   offsets and indices Triton refills from the host before each replay, so that set-up is skipped.
+  Where SGLang's ``forward_extend`` is one read here (:data:`TRITON_FORWARD_EXTEND_SOURCES`), a pass
+  that goes by the table is served whole: the same K/V write, then the kernel, without the copies
+  of each layer's K/V into contiguous tensors that ``forward_extend`` makes for its own kernel and
+  the table never reads (two launches a layer, about 0.2 ms of a step at one request on the 8B shape).
 * FlashInfer writes the block's K/V to the cache, then runs its planned paged prefill wrapper
   (``prefill_wrapper_paged.forward``). A routed backend lends that wrapper, for the one call, a
   ``forward`` that runs :func:`ops.block_attention_by_table` over the request table instead.
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
-from .config import block_attention_kernel, skip_host_lengths, skip_unused_plans
+from .compat import source_digest
+from .config import block_attention_kernel, skip_host_lengths, skip_kv_copies, skip_unused_plans
 from .ops.block_attention import block_attention, block_attention_by_table, serves
 
 logger = logging.getLogger("sglang_dflash")
@@ -47,6 +53,15 @@ _AT_DEFAULT = {"logit_cap": (0, None), "sliding_window_size": (-1, None), "sinks
                "window_kv_offsets": (None,), "xai_temperature_len": (-1, 0, None), "lse_extend": (None,),
                "skip_prefix": (False,), "skip_extend": (False,), "page_size": (1,), "score_mod": (None,),
                "aux_tensors": (None,), "identity_kv_indices": (False,)}
+# sha256 (first 16 hex digits) of SGLang's TritonAttnBackend.forward_extend, dedented, in 0.5.17-0.5.23:
+# each, for an unscaled MHA layer over a plain pool of one-token pages, without DCP, sliding window,
+# deterministic or DLLM attention, sinks, score mods or soft cap, writes the pass's K/V with
+# ``token_to_kv_pool.set_kv_buffer(layer, out_cache_loc, k, v)`` and then runs its extend kernel,
+# causal for DECODER layers and not for ENCODER_ONLY ones (:func:`serve_pass_by_table`).
+TRITON_FORWARD_EXTEND_SOURCES = ("5e4ab06c1a98c452", "0766f9122f877eba", "e177c998eb645092", "347e6349314c8115",
+                                 "f65ae17c8768ccaa", "84015aa1abead45f", "3dfe4c158fa799b1")
+# forward_extend's parameters after (q, k, v, layer, forward_batch), and the values a served pass has.
+_PASS_EXTRAS = {"save_kv_cache": True, "sinks": None, "score_mod": None, "aux_tensors": None}
 
 
 class BlockAttentionRoute:
@@ -57,10 +72,11 @@ class BlockAttentionRoute:
         self.routed = 0  # extend-kernel calls served by the block kernel (CUDA-graph captures included)
         self.declined = 0  # TARGET_VERIFY calls left to SGLang's kernel
         self.plans_skipped = 0  # replays of routed graphs without SGLang's set-up (FlashInfer's plan, Triton's indices)
+        self.served_whole = 0  # of the routed calls, Triton passes served without SGLang's forward_extend
 
     def report(self) -> dict:
         return {"backends": self.backends, "routed_calls": self.routed, "declined_calls": self.declined,
-                "plans_skipped": self.plans_skipped}
+                "plans_skipped": self.plans_skipped, "served_whole": self.served_whole}
 
 
 ROUTE = BlockAttentionRoute()
@@ -133,9 +149,17 @@ def _route_triton(backend) -> bool:
     block_pass = [None]  # (forward_batch, whether the block's K/V go to the cache) while in a TARGET_VERIFY pass
     reads_indices = [0]  # this backend's TARGET_VERIFY calls captured in a CUDA graph that read SGLang's kv indices
     table = backend.req_to_token if table_holds_slots(backend) and hasattr(backend, "req_to_token") else None
+    whole = table is not None and skip_kv_copies() and forward_extend_read(type(backend))
+    if table is not None and skip_kv_copies() and not whole:
+        logger.info("DFLASH Triton passes go through SGLang's forward_extend: its source is not one the plugin "
+                    "has read (%s)", source_digest_or_none(type(backend)))
 
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
+            if whole:
+                o = serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args, kwargs)
+                if o is not None:
+                    return o
             saves = kwargs.get("save_kv_cache", args[0] if args else True)
             block_pass[0] = (forward_batch, bool(saves))
         try:
@@ -168,6 +192,64 @@ def _route_triton(backend) -> bool:
     if table is not None and skip_unused_plans():
         _skip_unused_triton_replay_setup(backend, reads_indices)
     return True
+
+
+def source_digest_or_none(cls) -> Optional[str]:
+    try:
+        return source_digest(cls.forward_extend)
+    except (AttributeError, OSError, TypeError):  # no source to read
+        return None
+
+
+@lru_cache(maxsize=None)
+def forward_extend_read(cls) -> bool:
+    """Whether ``cls.forward_extend`` is one of SGLang's read here (:data:`TRITON_FORWARD_EXTEND_SOURCES`)."""
+    return source_digest_or_none(cls) in TRITON_FORWARD_EXTEND_SOURCES
+
+
+def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tuple, kwargs: dict
+                        ) -> Optional[torch.Tensor]:
+    """A TARGET_VERIFY ``forward_extend`` call done as SGLang's does it where nothing below declines:
+    the pass's K/V written to the cache, then the block kernel over the request table; returns
+    the output, or None to leave the call to SGLang. SGLang's kernel would read contiguous copies
+    of ``k`` and ``v``; the table reads the cache, so no copy is made."""
+    extras = dict(zip(_PASS_EXTRAS, args))
+    extras.update(kwargs)
+    if set(extras) - set(_PASS_EXTRAS) or extras.pop("save_kv_cache", True) is not True:
+        return None
+    if any(value is not None for value in extras.values()) or k is None or v is None:
+        return None
+    kind = getattr(getattr(layer, "attn_type", None), "name", None)
+    window, cap = getattr(layer, "sliding_window_size", None), getattr(layer, "logit_cap", 0)
+    if (kind not in ("DECODER", "ENCODER_ONLY") or getattr(layer, "is_cross_attention", False)
+            or layer.k_scale is not None or layer.v_scale is not None or layer.qk_head_dim != layer.v_head_dim
+            or (window is not None and window > -1) or (cap is not None and cap > 0)
+            or getattr(layer, "xai_temperature_len", -1) not in (-1, 0, None)):
+        return None
+    metadata = backend.forward_metadata
+    pool = backend.token_to_kv_pool
+    if (getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "enable_deterministic", False)
+            or getattr(backend, "use_mla", False) or getattr(backend, "dllm_attention", None) is not None
+            or getattr(backend, "use_verify_splitkv", False) or getattr(backend, "use_verify_shared_kv", False)
+            or getattr(forward_batch, "mha_one_shot", False) or getattr(metadata, "custom_mask", None) is not None
+            or getattr(metadata, "swa_out_cache_loc", None) is not None
+            or getattr(pool, "requires_physical_write_loc", False)
+            or getattr(forward_batch.spec_info, "ragged_verify_layout", None) is not None):
+        return None
+    rows, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+    q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    bs = len(rows)
+    if bs == 0 or q3.shape[0] % bs or len(lens) < bs or not kernel_takes(q3, k_cache, v_cache, q3.shape[0] // bs):
+        return None
+    pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+    o = getattr(forward_batch, "_attn_output", None)
+    o = torch.empty_like(q) if o is None else o
+    ROUTE.routed += 1
+    ROUTE.served_whole += 1
+    block_attention_by_table(q3, o.view(q3.shape), k_cache, v_cache, table, rows, lens, q3.shape[0] // bs,
+                             layer.scaling, kind == "DECODER")
+    return o
 
 
 def table_holds_slots(backend) -> bool:

@@ -28,8 +28,11 @@ uses it to hand DFLASH to the built-in, all or nothing, when anything is missing
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -505,6 +508,12 @@ def installed_version() -> str:
     from importlib.metadata import version
 
     return version("sglang")
+
+
+def source_digest(function) -> str:
+    """sha256 (first 16 hex digits) of a function's dedented source: where the plugin repeats or
+    bypasses a piece of SGLang, it does so only for the versions of that piece it has read."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(function)).encode()).hexdigest()[:16]
 
 
 def installed_source_root() -> Optional[str]:

@@ -31,6 +31,9 @@ BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # 0 = FlashInfer still plans its prefill wrapper before every replay of a DFLASH pass that the block
 # kernel serves whole, though the kernel reads nothing the plan makes (A/B runs).
 SKIP_UNUSED_PLANS_ENV = "SGLANG_DFLASH_SKIP_UNUSED_PLANS"
+# 0 = a Triton pass the block kernel serves by the request table still goes through SGLang's
+# forward_extend, which copies each layer's K/V into contiguous tensors the kernel never reads (A/B runs).
+SKIP_KV_COPIES_ENV = "SGLANG_DFLASH_SKIP_KV_COPIES"
 # 0 = the scheduler still copies each step's committed lengths to the host for a FlashInfer backend
 # whose DFLASH replays go unplanned, though nothing of that backend reads them (A/B runs).
 SKIP_HOST_LENGTHS_ENV = "SGLANG_DFLASH_SKIP_HOST_LENGTHS"
@@ -84,6 +87,10 @@ def block_attention_kernel() -> bool:
 
 def skip_unused_plans() -> bool:
     return os.environ.get(SKIP_UNUSED_PLANS_ENV, "1") != "0"
+
+
+def skip_kv_copies() -> bool:
+    return os.environ.get(SKIP_KV_COPIES_ENV, "1") != "0"
 
 
 def skip_host_lengths() -> bool:

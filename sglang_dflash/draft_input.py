@@ -13,24 +13,18 @@ one copy each. It stands in only where SGLang's method is the one it was written
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import textwrap
 from functools import lru_cache
 
 import torch
 
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
+from .compat import source_digest
 from .config import bulk_prepare
 
 # sha256 (first 16 hex digits) of SGLang's DFlashDraftInputV2.prepare_for_decode, dedented, in
 # the releases whose steps DraftInput.prepare_for_decode repeats (0.5.20 to 0.5.23 alike).
 PREPARE_FOR_DECODE_SOURCES = ("67aafcdaff2c6848",)
-
-
-def source_digest(function) -> str:
-    return hashlib.sha256(textwrap.dedent(inspect.getsource(function)).encode()).hexdigest()[:16]
 
 
 class DraftInput(DFlashDraftInputV2):

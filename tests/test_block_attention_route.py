@@ -68,7 +68,8 @@ def test_target_verify_and_draft_passes_take_the_block_kernel(kernel_calls):
     assert [call[-1] for call in kernel_calls] == [True, False]
     q, k, v, o, k_cache, v_cache, kv_indptr, kv_indices, block, sm_scale, causal = kernel_calls[0]
     assert k.shape == (2 * BLOCK, KV_HEADS, DIM) and v.shape == k.shape and block == BLOCK and sm_scale == 0.125
-    assert route.ROUTE.report() == {"backends": 1, "routed_calls": 2, "declined_calls": 0, "plans_skipped": 0}
+    assert route.ROUTE.report() == {"backends": 1, "routed_calls": 2, "declined_calls": 0, "plans_skipped": 0,
+                                    "served_whole": 0}
     assert route.route_block_attention(backend)  # routing twice wraps once
     _forward(backend)
     assert len(kernel_calls) == 3
@@ -272,7 +273,8 @@ def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypa
     assert route.route_block_attention(ragged)
     _flashinfer_forward(ragged)
     assert ragged.wrapper.calls == [True] and len(calls) == 2
-    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 4, "plans_skipped": 0}
+    assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 4, "plans_skipped": 0,
+                                    "served_whole": 0}
     translating = FlashInferAttnBackend()
     translating.kv_index_translator = SimpleNamespace(is_translating=True)
     assert not route.route_block_attention(translating)  # its table holds ids, not cache rows
@@ -413,3 +415,189 @@ def test_sglang_triton_backend_caches_the_block_before_the_kernel_and_sets_up_on
     verify = _method(source, "_update_target_verify_buffers")
     for filled in ("qo_indptr", "kv_indptr", "mask_indptr", "custom_mask"):
         assert filled in verify
+
+
+# ---- Triton passes served whole: the same K/V write and kernel call as SGLang's forward_extend -----------
+
+
+class KVPool:
+    """A one-token-page MHA pool: what SGLang's set_kv_buffer writes, and where."""
+
+    requires_physical_write_loc = False
+
+    def __init__(self, dtype=torch.float32):
+        self.k = torch.zeros(40, KV_HEADS, DIM, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.writes = []
+
+    def get_key_buffer(self, layer_id):
+        return self.k
+
+    def get_value_buffer(self, layer_id):
+        return self.v
+
+    def get_kv_buffer(self, layer_id):
+        return self.k, self.v
+
+    def set_kv_buffer(self, layer, loc, k, v, *scales, **kwargs):
+        loc = getattr(loc, "loc", loc)  # SGLang's KVWriteLoc (0.5.17+) or a bare loc
+        self.k[loc], self.v[loc] = k.reshape(-1, KV_HEADS, DIM), v.reshape(-1, KV_HEADS, DIM)
+        self.writes.append((loc.tolist(), scales, kwargs))
+
+
+def sglang_triton_backend(**overrides):
+    """The installed SGLang's Triton backend class, its state set by hand (no GPU, no model runner):
+    its own ``forward_extend`` and ``_set_kv_buffer`` run."""
+    triton_backend = pytest.importorskip("sglang.srt.layers.attention.triton_backend")
+    backend = object.__new__(triton_backend.TritonAttnBackend)
+    table = torch.arange(4 * 32, dtype=torch.int32).view(4, 32)
+    state = dict(
+        page_size=1, req_to_token=table, req_to_token_pool=SimpleNamespace(req_to_token=table, size=4),
+        token_to_kv_pool=KVPool(), dcp_size=1, dcp_rank=0, enable_deterministic=False, use_mla=False,
+        dllm_attention=None, use_verify_splitkv=False, use_verify_shared_kv=False, use_dense_fp8_chunked_prefill=False,
+        allow_bidirectional_attention_in_extend=False, sliding_window_size=None, _translate_kv_loc=None,
+        kv_index_translator=None,
+        forward_metadata=SimpleNamespace(custom_mask=None, swa_out_cache_loc=None, out_cache_loc_full_physical=None,
+                                         qo_indptr=None, kv_indptr=None, kv_indices=None, mask_indptr=None,
+                                         max_extend_len=BLOCK, window_kv_indptr=None, window_kv_indices=None,
+                                         window_kv_offsets=None),
+    )
+    state.update(overrides)
+    backend.__dict__.update(state)
+    backend.extend_attention_fwd = _extend_kernel_never_runs
+    return backend
+
+
+def _extend_kernel_never_runs(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                              kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
+                              sm_scale=None, **rest):
+    pytest.fail("SGLang's extend kernel ran")
+
+
+def _sglang_layer(kind="DECODER", **overrides):
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    layer = dict(layer_id=0, tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS, qk_head_dim=DIM,
+                 v_head_dim=DIM, head_dim=DIM, scaling=0.125, k_scale=None, v_scale=None, k_scale_float=None,
+                 v_scale_float=None, attn_type=getattr(AttentionType, kind), is_cross_attention=False,
+                 sliding_window_size=-1, logit_cap=0.0, logit_capping_method="tanh", xai_temperature_len=-1)
+    layer.update(overrides)
+    return SimpleNamespace(**layer)
+
+
+def _pass(backend, layer, save_kv_cache=True, **batch):
+    """One TARGET_VERIFY call as RadixAttention makes it: q flat, k and v views of one projection
+    (strided, as a fused QKV leaves them)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2 * BLOCK, (Q_HEADS + 2 * KV_HEADS) * DIM)
+    q, k, v = qkv.split([Q_HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    k, v = k.view(-1, KV_HEADS, DIM), v.view(-1, KV_HEADS, DIM)
+    assert not k.is_contiguous()
+    fields = dict(forward_mode=SimpleNamespace(is_target_verify=lambda: True, is_dllm_extend=lambda: False),
+                  req_pool_indices=torch.tensor([3, 1]), seq_lens=torch.tensor([5, 9]),
+                  out_cache_loc=torch.arange(20, 20 + 2 * BLOCK), out_cache_loc_is_physical=False, spec_info=None,
+                  mha_one_shot=False, attn_attend_prefix_cache=None, extend_seq_lens_cpu=None)
+    fields.update(batch)
+    out = backend.forward_extend(q, k, v, layer, SimpleNamespace(**fields), save_kv_cache=save_kv_cache)
+    return out, q
+
+
+@pytest.mark.parametrize("kind", ["DECODER", "ENCODER_ONLY"])  # the target's verify, the draft's pass
+def test_sglang_triton_passes_are_served_whole_with_its_kv_write_and_the_table_kernel(table_calls, monkeypatch, kind):
+    """The installed SGLang's forward_extend is one the route has read. Routed with the copies
+    skipped and without, a pass leaves the same cache, makes the same kernel call and returns
+    the buffer that call filled; skipped, SGLang's forward_extend never runs."""
+    from sglang_dflash.compat import source_digest
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    assert source_digest(TritonAttnBackend.forward_extend) in route.TRITON_FORWARD_EXTEND_SOURCES
+    runs = {}
+    for skip in ("1", "0"):
+        monkeypatch.setenv("SGLANG_DFLASH_SKIP_KV_COPIES", skip)
+        monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+        backend = sglang_triton_backend()
+        sglang_writes = []
+        backend._set_kv_buffer = lambda *args, **kwargs: (sglang_writes.append(1),
+                                                            TritonAttnBackend._set_kv_buffer(backend, *args, **kwargs))
+        assert route.route_block_attention(backend)
+        before = len(table_calls)
+        out, q = _pass(backend, _sglang_layer(kind))
+        (call,) = table_calls[before:]
+        runs[skip] = (backend.token_to_kv_pool, call, out, sglang_writes, route.ROUTE.report())
+    (pool, call, out, sglang_writes, report), (pool0, call0, out0, sglang_writes0, report0) = runs["1"], runs["0"]
+    assert sglang_writes == [] and sglang_writes0 == [1]  # the K/V write: the route's, then SGLang's own
+    assert [w[0] for w in pool.writes] == [w[0] for w in pool0.writes] == [list(range(20, 20 + 2 * BLOCK))]
+    assert torch.equal(pool.k, pool0.k) and torch.equal(pool.v, pool0.v) and pool.k[20:].abs().sum() > 0
+    q3, o, k_cache, v_cache, table, rows, lens, block, sm_scale, causal = call
+    q3_0, o0, *rest0 = call0
+    assert torch.equal(q3, q3_0) and q3.shape == (2 * BLOCK, Q_HEADS, DIM) and o.shape == o0.shape
+    same = lambda a, b: torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b  # noqa: E731
+    assert all(same(a, b) for a, b in zip((k_cache, v_cache, table, rows, lens, block, sm_scale, causal), rest0))
+    assert k_cache is pool.k and v_cache is pool.v and rows.tolist() == [3, 1] and lens.tolist() == [5, 9]
+    assert causal == (kind == "DECODER") and block == BLOCK and sm_scale == 0.125
+    assert out.shape == q.shape and out.data_ptr() == o.data_ptr()  # the kernel's output is the pass's
+    assert report["served_whole"] == 1 and report["routed_calls"] == 1 and report0["served_whole"] == 0
+
+
+@pytest.mark.parametrize("why", ["no_save", "k_scale", "window", "soft_cap", "cross", "bidirectional", "dcp",
+                                 "deterministic", "mla", "custom_mask", "swa_pool", "physical_pool", "ragged",
+                                 "sinks", "fp16_cache"])
+def test_triton_passes_served_whole_only_where_sglang_would_write_and_attend_alike(table_calls, kernel_calls,
+                                                                                   monkeypatch, why):
+    pytest.importorskip("sglang.srt.layers.attention.triton_backend")
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    layer = {"k_scale": {"k_scale": 0.5, "v_scale": 0.5, "k_scale_float": 0.5, "v_scale_float": 0.5},
+             "window": {"sliding_window_size": 8}, "soft_cap": {"logit_cap": 30.0},
+             "cross": {"is_cross_attention": True}}.get(why, {})
+    kind = "DECODER_BIDIRECTIONAL" if why == "bidirectional" else "DECODER"
+    backend = sglang_triton_backend(**{"dcp": {"dcp_size": 2}, "deterministic": {"enable_deterministic": True},
+                                       "mla": {"use_mla": True}}.get(why, {}))
+    if why == "custom_mask":
+        backend.forward_metadata.custom_mask = torch.ones(4, dtype=torch.bool)
+    if why == "swa_pool":
+        backend.forward_metadata.swa_out_cache_loc = torch.arange(8)
+    if why == "physical_pool":
+        backend.token_to_kv_pool.requires_physical_write_loc = True
+    if why == "fp16_cache":
+        backend.token_to_kv_pool = KVPool(torch.float16)
+    assert route.route_block_attention(backend)
+    served = route.serve_pass_by_table
+    args = {"no_save": ((False,), {}), "sinks": ((), {"sinks": torch.zeros(Q_HEADS)})}.get(why, ((), {}))
+    q = torch.randn(2 * BLOCK, Q_HEADS * DIM)
+    k = v = torch.randn(2 * BLOCK, KV_HEADS, DIM)
+    spec_info = SimpleNamespace(ragged_verify_layout=object() if why == "ragged" else None)
+    batch = SimpleNamespace(forward_mode=_mode(True), req_pool_indices=torch.tensor([3, 1]),
+                            seq_lens=torch.tensor([5, 9]), out_cache_loc=torch.arange(8), spec_info=spec_info,
+                            mha_one_shot=False)
+    assert served(backend, backend.req_to_token, q, k, v, _sglang_layer(kind, **layer), batch, *args) is None
+    assert backend.token_to_kv_pool.writes == [] and table_calls == [] and route.ROUTE.served_whole == 0
+
+
+def test_a_forward_extend_not_read_here_is_never_served_whole(table_calls, monkeypatch, caplog):
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    backend = TableTritonBackend()  # this file's stand-in: its forward_extend is no SGLang release's
+    with caplog.at_level("INFO", logger="sglang_dflash"):
+        assert route.route_block_attention(backend)
+    assert "not one the plugin has read" in caplog.text
+    assert not route.forward_extend_read(TableTritonBackend)
+    _table_forward(backend)
+    assert len(table_calls) == 1 and route.ROUTE.served_whole == 0
+
+
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"])
+def test_the_forward_extends_read_here_are_each_supported_releases(version):
+    """Every supported release's Triton forward_extend is one the route serves whole (read from its
+    wheel, digested as ``inspect.getsource`` gives it), so none is left to the copies unread."""
+    import ast
+    import hashlib
+    import textwrap
+
+    from test_compat import sglang_source
+
+    with open(f"{sglang_source(version)}/srt/layers/attention/triton_backend.py") as f:
+        source = f.read()
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "TritonAttnBackend")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward_extend")
+    first = min([method.lineno] + [d.lineno for d in method.decorator_list])
+    text = "".join(source.splitlines(keepends=True)[first - 1: method.end_lineno])
+    assert hashlib.sha256(textwrap.dedent(text).encode()).hexdigest()[:16] in route.TRITON_FORWARD_EXTEND_SOURCES

@@ -13,7 +13,8 @@ import sglang.srt.runtime_context as runtime_context  # noqa: E402
 import sglang.srt.speculative.dflash_info_v2 as dflash_info_v2  # noqa: E402
 
 from sglang_dflash import draft_input  # noqa: E402
-from sglang_dflash.draft_input import DraftInput, draft_input_class, make_draft_input, source_digest  # noqa: E402
+from sglang_dflash.compat import source_digest  # noqa: E402
+from sglang_dflash.draft_input import DraftInput, draft_input_class, make_draft_input  # noqa: E402
 
 needs_repeated_source = pytest.mark.skipif(
     source_digest(dflash_info_v2.DFlashDraftInputV2.prepare_for_decode) not in draft_input.PREPARE_FOR_DECODE_SOURCES,

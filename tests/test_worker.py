@@ -511,7 +511,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     from sglang_dflash.draft_input import bulk_prepare_serves
 
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()
-    assert set(state["dflash"].pop("block_attention")) == {"backends", "routed_calls", "declined_calls", "plans_skipped"}
+    assert set(state["dflash"].pop("block_attention")) == {"backends", "routed_calls", "declined_calls", "plans_skipped",
+                                                           "served_whole"}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,

@@ -50,6 +50,10 @@ IMPLEMENTATIONS = {
     # SGLANG_DFLASH_SKIP_UNUSED_PLANS's default); "plugin-flashinfer-plans" is its name in session 35.
     "plugin-replay-setup": (["--speculative-algorithm", "DFLASH"],
                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
+    # The plugin's Triton passes through SGLang's forward_extend, which copies each layer's K/V for a
+    # kernel the block kernel replaces (A/B of SGLANG_DFLASH_SKIP_KV_COPIES's default).
+    "plugin-kv-copies": (["--speculative-algorithm", "DFLASH"],
+                         {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_KV_COPIES": "0"}),
     # The plugin while the scheduler still copies each step's lengths to the host for FlashInfer (A/B
     # of SGLANG_DFLASH_SKIP_HOST_LENGTHS's default).
     "plugin-host-lengths": (["--speculative-algorithm", "DFLASH"],
