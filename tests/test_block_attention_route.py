@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_dflash import block_attention_route as route
+from sglang_dflash import block_attention_route as route, compat
 
 BLOCK, Q_HEADS, KV_HEADS, DIM = 4, 8, 2, 64
 
@@ -507,10 +507,9 @@ def test_sglang_triton_passes_are_served_whole_with_its_kv_write_and_the_table_k
     """The installed SGLang's forward_extend is one the route has read. Routed with the copies
     skipped and without, a pass leaves the same cache, makes the same kernel call and returns
     the buffer that call filled; skipped, SGLang's forward_extend never runs."""
-    from sglang_dflash.compat import source_digest
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    assert source_digest(TritonAttnBackend.forward_extend) in route.TRITON_FORWARD_EXTEND_SOURCES
+    assert compat.source_digest(TritonAttnBackend.forward_extend) in route.TRITON_FORWARD_EXTEND_SOURCES
     runs = {}
     for skip in ("1", "0"):
         monkeypatch.setenv("SGLANG_DFLASH_SKIP_KV_COPIES", skip)
@@ -584,7 +583,7 @@ def test_a_forward_extend_not_read_here_is_never_served_whole(table_calls, monke
     assert len(table_calls) == 1 and route.ROUTE.served_whole == 0
 
 
-@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"])
+@pytest.mark.parametrize("version", compat.SUPPORTED)
 def test_the_forward_extends_read_here_are_each_supported_releases(version):
     """Every supported release's Triton forward_extend is one the route serves whole (read from its
     wheel, digested as ``inspect.getsource`` gives it), so none is left to the copies unread."""
