@@ -149,8 +149,9 @@ def _route_triton(backend) -> bool:
     block_pass = [None]  # (forward_batch, whether the block's K/V go to the cache) while in a TARGET_VERIFY pass
     reads_indices = [0]  # this backend's TARGET_VERIFY calls captured in a CUDA graph that read SGLang's kv indices
     table = backend.req_to_token if table_holds_slots(backend) and hasattr(backend, "req_to_token") else None
-    whole = table is not None and skip_kv_copies() and forward_extend_read(type(backend))
-    if table is not None and skip_kv_copies() and not whole:
+    whole = table is not None and skip_kv_copies()
+    if whole and not forward_extend_read(type(backend)):
+        whole = False
         logger.info("DFLASH Triton passes go through SGLang's forward_extend: its source is not one the plugin "
                     "has read (%s)", source_digest_or_none(type(backend)))
 
@@ -240,15 +241,16 @@ def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tup
     q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     bs = len(rows)
-    if bs == 0 or q3.shape[0] % bs or len(lens) < bs or not kernel_takes(q3, k_cache, v_cache, q3.shape[0] // bs):
+    block = q3.shape[0] // bs if bs else 0
+    if block == 0 or q3.shape[0] != bs * block or len(lens) < bs or not kernel_takes(q3, k_cache, v_cache, block):
         return None
     pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
     o = getattr(forward_batch, "_attn_output", None)
     o = torch.empty_like(q) if o is None else o
     ROUTE.routed += 1
     ROUTE.served_whole += 1
-    block_attention_by_table(q3, o.view(q3.shape), k_cache, v_cache, table, rows, lens, q3.shape[0] // bs,
-                             layer.scaling, kind == "DECODER")
+    block_attention_by_table(q3, o.view(q3.shape), k_cache, v_cache, table, rows, lens, block, layer.scaling,
+                             kind == "DECODER")
     return o
 
 
