@@ -168,6 +168,26 @@ def test_with_every_draft_accepted_narrow_widths_are_rarely_tried():
     assert sum(n for w, n in used.items() if w < 16) <= 16, used
 
 
+def test_a_width_that_could_not_win_on_its_first_try_is_not_refreshed_either():
+    """Seen on the GPU (8B rig, zero weights, fa3, H100, session 40): width 8 at bs 32 could not
+    beat width 16 even at a plain step's cost, so it got no first try, yet four refresh steps
+    timed it (each cost every request a 17th step). An unmeasured width's least cost is already
+    a bound: it is refreshed only where that bound beats the held width, as for a first try."""
+    def cost(w, b):  # session 40's step ms: 1@8 7.03, 16@8 8.73, 16@32 13.53, 8@32 10.50
+        if w == 1:
+            return {1: 6.7, 8: 7.03, 32: 7.5}[bucket(b)] / 1000
+        fixed, per_token = {1: (7.7, 0.005), 8: (8.0, 0.046), 32: (7.47, 0.379)}[bucket(b)]
+        return (fixed + per_token * w) / 1000
+
+    policy = WidthPolicy(16)
+    rng = random.Random(6)
+    for bs in (8, 32):
+        run_policy(policy, bs, 1.0, lambda w, b: cost(w, b) * (1 + 0.02 * rng.random()), 400, rng)
+    choices = policy.choices()
+    assert "8@32" not in choices and "refresh" not in choices.get("1@32", {}), choices
+    assert choices["16@32"]["best"] >= 390, choices
+
+
 def test_with_no_draft_accepted_the_policy_stays_within_one_and_a_half_percent_of_plain_steps():
     """The rig's random weights: width 1 (a verify of the bonus alone) at each bucket's cost. Seen
     on the GPU (triton, session 16): re-measuring every width within 20% of the choice kept
