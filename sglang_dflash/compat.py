@@ -150,6 +150,25 @@ class SGLangRelease:
             for name, value in fields.items():
                 setattr(server_args, name, value)
 
+    def with_one_token_prefill_graph(self, server_args):
+        """The resolved CUDA-graph config with a prefill bucket of 1 token added, or None where
+        nothing needs adding. SGLang's breakable prefill graphs (0.5.19 on, by default) start at 4
+        tokens and refuse a batch that would pad more than 2x, so a prefill of one token, which is
+        a radix-cache hit on the whole prompt, ran eagerly: about 20 ms of launches on an 8B target
+        before the first token. Kept: a list the user gave (``--cuda-graph-bs-prefill``), any
+        other backend, and a list that already pads one token 2x at most."""
+        config = getattr(self.resolving(server_args), "cuda_graph_config", None)
+        prefill = getattr(config, "prefill", None)
+        if not self.has("declared_resolution") or not getattr(prefill, "bs", None):
+            return None
+        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+        if prefill.backend != Backend.BREAKABLE or min(prefill.bs) <= 2:
+            return None
+        if (Phase.PREFILL, "bs") in getattr(server_args, "_cuda_graph_config_locked", ()):
+            return None
+        return with_phase(config, Phase.PREFILL, bs=[1, *prefill.bs])
+
     def spec_setting(self, server_args, name: str):
         """A resolved speculative setting inside a scheduler process."""
         if self.has("declared_resolution"):

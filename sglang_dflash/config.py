@@ -37,6 +37,9 @@ SKIP_KV_COPIES_ENV = "SGLANG_DFLASH_SKIP_KV_COPIES"
 # 0 = the scheduler still copies each step's committed lengths to the host for a FlashInfer backend
 # whose DFLASH replays go unplanned, though nothing of that backend reads them (A/B runs).
 SKIP_HOST_LENGTHS_ENV = "SGLANG_DFLASH_SKIP_HOST_LENGTHS"
+# 0 = SGLang's prefill CUDA graphs keep their smallest bucket of 4 tokens, so a prefill of one token
+# (a radix-cache hit on the whole prompt) pads more than 2x and runs eagerly (compat; A/B runs).
+ONE_TOKEN_PREFILL_GRAPH_ENV = "SGLANG_DFLASH_ONE_TOKEN_PREFILL_GRAPH"
 # 0 = the target's verify logits cast to float32 inside every verify, as SGLang does, instead of only
 # for the batches that read more than an argmax (sampling.HalfVerifyLogits; A/B runs).
 HALF_VERIFY_LOGITS_ENV = "SGLANG_DFLASH_HALF_VERIFY_LOGITS"
@@ -91,6 +94,10 @@ def skip_unused_plans() -> bool:
 
 def skip_kv_copies() -> bool:
     return os.environ.get(SKIP_KV_COPIES_ENV, "1") != "0"
+
+
+def one_token_prefill_graph() -> bool:
+    return os.environ.get(ONE_TOKEN_PREFILL_GRAPH_ENV, "1") != "0"
 
 
 def skip_host_lengths() -> bool:

@@ -180,7 +180,14 @@ def draft_path_hook(original, algorithm, draft_path, *args, **kwargs):
 
 def handle_dflash_args_hook(original, server_args):
     """Validate the draft checkpoint and the flags, then let SGLang apply its DFLASH defaults."""
-    from .config import DFlashConfigError, admissions_as_plain_decoding, fix_block_named_by_flag, validate_server_args
+    from .config import (
+        ONE_TOKEN_PREFILL_GRAPH_ENV,
+        DFlashConfigError,
+        admissions_as_plain_decoding,
+        fix_block_named_by_flag,
+        one_token_prefill_graph,
+        validate_server_args,
+    )
 
     release = _release()
     reason = _builtin_for_this_server(server_args)
@@ -199,6 +206,12 @@ def handle_dflash_args_hook(original, server_args):
     if admissions:
         release.declare(server_args, **admissions)
     original(server_args)
+    graphs = release.with_one_token_prefill_graph(server_args) if one_token_prefill_graph() else None
+    if graphs is not None:
+        release.declare(server_args, cuda_graph_config=graphs)
+        logger.info("DFLASH: prefill CUDA graphs also capture 1 token, so a prefill that hits the radix "
+                    "cache on the whole prompt replays a graph (%s=0 keeps SGLang's buckets).",
+                    ONE_TOKEN_PREFILL_GRAPH_ENV)
     if admissions:
         logger.info("DFLASH: new requests join a running batch as under plain decoding "
                     "(--min-free-slots-delay %s; set it to hold them for several free slots).",

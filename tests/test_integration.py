@@ -509,3 +509,58 @@ def test_the_disaggregation_field_the_plugin_reads_exists_on_this_release():
     assert RELEASE.pd_role(SimpleNamespace(disaggregation_mode="null")) is None
     assert RELEASE.pd_role(SimpleNamespace()) is None
     assert RELEASE.pd_role(SimpleNamespace(disaggregation_mode="decode")) == "decode"
+
+
+PREFILL_GRAPHS = """
+    import json, os, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.server_args import ServerArgs
+    target, draft = sys.argv[1:3]
+    cases = {"default": {}, "switched_off": {}, "user_list": {"cuda_graph_bs_prefill": [8, 16]},
+             "graphs_off": {"cuda_graph_backend_prefill": None, "disable_prefill_cuda_graph": True}}
+    out = {}
+    for name, flags in cases.items():
+        os.environ["SGLANG_DFLASH_ONE_TOKEN_PREFILL_GRAPH"] = "0" if name == "switched_off" else "1"
+        # On a CPU machine SGLang's default prefill backend is "disabled": name the GPU's default.
+        args = ServerArgs(model_path=target, speculative_algorithm="DFLASH", speculative_draft_model_path=draft,
+                          device="cuda", attention_backend="triton", mem_fraction_static=0.5, max_total_tokens=4096,
+                          cuda_graph_max_bs_prefill=4096, **{"cuda_graph_backend_prefill": "breakable", **flags})
+        args.resolve_once()
+        prefill = resolving_view(args).cuda_graph_config.prefill
+        out[name] = [prefill.backend, list(prefill.bs or [])[:3]]
+    print("GRAPHS=" + json.dumps(out))
+"""
+
+
+def qwen3_target(path):
+    """A config SGLang's argument resolution can read (the model type and head layout too)."""
+    return write_target(path, model_type="qwen3", intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        torch_dtype="bfloat16", tie_word_embeddings=False)
+
+
+@pytest.mark.skipif(not RELEASE.has("declared_resolution"), reason="prefill graph buckets are declared from 0.5.19")
+@pytest.mark.parametrize("impl", ["plugin", "builtin"])
+def test_a_one_token_prefill_gets_a_graph_bucket_unless_the_user_chose_the_buckets(tmp_path, impl):
+    """SGLang's breakable prefill graphs start at 4 tokens and refuse a batch padded more than 2x,
+    so a whole-prompt radix-cache hit (one token to prefill) ran eagerly: the plugin adds a bucket
+    of 1, through SGLang's own argument resolution. The built-in, a switch, a list the user gave,
+    or prefill graphs turned off are left alone."""
+    out = run_python(PREFILL_GRAPHS, qwen3_target(str(tmp_path / "target")),
+                     write_checkpoint(str(tmp_path / "draft")), SGLANG_PLUGINS="dflash", SGLANG_DFLASH_IMPL=impl)
+    assert out.returncode == 0, out.stderr[-3000:]
+    graphs = json.loads(out.stdout.split("GRAPHS=")[1])
+    assert graphs["default"] == ["breakable", [1, 4, 8] if impl == "plugin" else [4, 8, 12]]
+    assert graphs["switched_off"] == ["breakable", [4, 8, 12]]
+    assert graphs["user_list"] == ["breakable", [8, 16]]
+    assert graphs["graphs_off"][0] == "disabled" and 1 not in graphs["graphs_off"][1]
+
+
+def test_no_graph_bucket_is_added_where_nothing_was_resolved(tmp_path):
+    """Before 0.5.19, or where the prefill graph list is not resolved yet: nothing declared."""
+    args = server_args(tmp_path)
+    assert RELEASE.with_one_token_prefill_graph(args) is None
+    args.cuda_graph_config = SimpleNamespace(prefill=SimpleNamespace(backend="breakable", bs=None))
+    assert RELEASE.with_one_token_prefill_graph(args) is None

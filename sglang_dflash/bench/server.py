@@ -54,6 +54,10 @@ IMPLEMENTATIONS = {
     # kernel the block kernel replaces (A/B of SGLANG_DFLASH_SKIP_KV_COPIES's default).
     "plugin-kv-copies": (["--speculative-algorithm", "DFLASH"],
                          {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_KV_COPIES": "0"}),
+    # The plugin with SGLang's prefill graph buckets, the smallest 4 tokens: a one-token prefill (a
+    # radix-cache hit on the whole prompt) runs eagerly (A/B of SGLANG_DFLASH_ONE_TOKEN_PREFILL_GRAPH).
+    "plugin-eager-1-token": (["--speculative-algorithm", "DFLASH"],
+                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_ONE_TOKEN_PREFILL_GRAPH": "0"}),
     # The plugin while the scheduler still copies each step's lengths to the host for FlashInfer (A/B
     # of SGLANG_DFLASH_SKIP_HOST_LENGTHS's default).
     "plugin-host-lengths": (["--speculative-algorithm", "DFLASH"],
