@@ -156,7 +156,8 @@ class SGLangRelease:
         tokens and refuse a batch that would pad more than 2x, so a prefill of one token, which is
         a radix-cache hit on the whole prompt, ran eagerly: about 20 ms of launches on an 8B target
         before the first token. Kept: a list the user gave (``--cuda-graph-bs-prefill``), any
-        other backend, and a list that already pads one token 2x at most."""
+        other backend, and a list that already pads one token 2x at most (the caller keeps hybrid
+        targets' lists too: ``config.attention_only_target``)."""
         config = getattr(self.resolving(server_args), "cuda_graph_config", None)
         prefill = getattr(config, "prefill", None)
         if not self.has("declared_resolution") or not getattr(prefill, "bs", None):

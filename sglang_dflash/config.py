@@ -464,6 +464,24 @@ class TargetInfo:
             return cls.from_dict(json.load(f), context_length)
 
 
+# Config keys of targets whose layers are not all attention (linear attention, Mamba, hybrids of them).
+HYBRID_TARGET_KEYS = ("full_attention_interval", "linear_conv_kernel_dim", "linear_num_value_heads",
+                      "mamba_d_state", "ssm_state_size", "hybrid_override_pattern", "attn_layer_indices")
+
+
+def attention_only_target(model_path: str, revision: Optional[str] = None) -> bool:
+    """Whether every layer of the target is attention (full or sliding window), from its
+    ``config.json``: a hybrid target keeps SGLang's prefill graph buckets, as a one-token capture
+    has not been checked on its state kernels."""
+    path = os.path.join(local_checkpoint(model_path, "--model-path", revision), "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    text = raw.get("text_config") or raw
+    kinds = set(text.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    names = " ".join([*(raw.get("architectures") or ()), str(raw.get("model_type", ""))]).lower()
+    return not kinds and not any(k in text for k in HYBRID_TARGET_KEYS) and "mamba" not in names
+
+
 def expected_draft_tensors(cfg: DFlashDraftConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a draft checkpoint must hold (no embedding, no lm_head), with its shape."""
     h, hd = cfg.hidden_size, cfg.head_dim

@@ -184,6 +184,7 @@ def handle_dflash_args_hook(original, server_args):
         ONE_TOKEN_PREFILL_GRAPH_ENV,
         DFlashConfigError,
         admissions_as_plain_decoding,
+        attention_only_target,
         fix_block_named_by_flag,
         one_token_prefill_graph,
         validate_server_args,
@@ -206,7 +207,9 @@ def handle_dflash_args_hook(original, server_args):
     if admissions:
         release.declare(server_args, **admissions)
     original(server_args)
-    graphs = release.with_one_token_prefill_graph(server_args) if one_token_prefill_graph() else None
+    graphs = None
+    if one_token_prefill_graph() and attention_only_target(view.model_path, getattr(view, "revision", None)):
+        graphs = release.with_one_token_prefill_graph(server_args)
     if graphs is not None:
         release.declare(server_args, cuda_graph_config=graphs)
         logger.info("DFLASH: prefill CUDA graphs also capture 1 token, so a prefill that hits the radix "

@@ -564,3 +564,28 @@ def test_no_graph_bucket_is_added_where_nothing_was_resolved(tmp_path):
     assert RELEASE.with_one_token_prefill_graph(args) is None
     args.cuda_graph_config = SimpleNamespace(prefill=SimpleNamespace(backend="breakable", bs=None))
     assert RELEASE.with_one_token_prefill_graph(args) is None
+
+
+@pytest.mark.parametrize("layer_types, declared", [(None, True), (["sliding_attention", "full_attention"] * 4, True),
+                                                   (["linear_attention", "full_attention"] * 4, False)])
+def test_a_hybrid_target_keeps_sglangs_prefill_buckets(tmp_path, monkeypatch, layer_types, declared):
+    """A one-token prefill capture has not been checked on linear-attention or Mamba layers."""
+    overrides = {} if layer_types is None else {"layer_types": layer_types}
+    args = server_args(tmp_path, model_path=write_target(str(tmp_path / "t"), **overrides))
+    graphs, declarations = object(), []
+    monkeypatch.setattr(RELEASE, "with_one_token_prefill_graph", lambda a: graphs)
+    monkeypatch.setattr(RELEASE, "declare", lambda a, **fields: declarations.append(fields))
+    monkeypatch.setattr(integration, "_release", lambda: RELEASE)
+    integration.handle_dflash_args_hook(lambda a: None, args)
+    assert any(d.get("cuda_graph_config") is graphs for d in declarations) == declared, declarations
+
+
+def test_hybrid_targets_are_told_apart_by_their_config(tmp_path):
+    from sglang_dflash.config import attention_only_target
+
+    assert attention_only_target(write_target(str(tmp_path / "dense")))
+    assert not attention_only_target(write_target(str(tmp_path / "next"), full_attention_interval=4))
+    assert not attention_only_target(write_target(str(tmp_path / "nested"), text_config={
+        "hidden_size": 64, "num_hidden_layers": 8, "layer_types": ["linear_attention"] * 8}))
+    assert not attention_only_target(write_target(str(tmp_path / "nemotron"), architectures=["NemotronHForCausalLM"],
+                                                  hybrid_override_pattern="M-M*"))
