@@ -157,7 +157,7 @@ class SGLangRelease:
         a radix-cache hit on the whole prompt, ran eagerly: about 20 ms of launches on an 8B target
         before the first token. Kept: a list the user gave (``--cuda-graph-bs-prefill``), any
         other backend, and a list that already pads one token 2x at most (the caller keeps hybrid
-        targets' lists too: ``config.attention_only_target``)."""
+        targets' lists too: ``config.TargetInfo.attention_only``)."""
         config = getattr(self.resolving(server_args), "cuda_graph_config", None)
         prefill = getattr(config, "prefill", None)
         if not self.has("declared_resolution") or not getattr(prefill, "bs", None):

@@ -439,6 +439,11 @@ class DFlashDraftConfig:
         return replace(self, block_size=_positive_int(block_size, "block_size", self.source, minimum=2))
 
 
+# Config keys of targets whose layers are not all attention (linear attention, Mamba, hybrids of them).
+HYBRID_TARGET_KEYS = ("full_attention_interval", "linear_conv_kernel_dim", "linear_num_value_heads",
+                      "mamba_d_state", "ssm_state_size", "hybrid_override_pattern", "attn_layer_indices")
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What the draft must agree with, read from the target's ``config.json``."""
@@ -447,39 +452,27 @@ class TargetInfo:
     num_layers: int
     vocab_size: int
     context_length: Optional[int] = None
+    # Every layer attention (full or sliding window): a hybrid target (linear attention, Mamba) keeps
+    # SGLang's prefill graph buckets, as a one-token capture has not been checked on its state kernels.
+    attention_only: bool = True
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], context_length: Optional[int] = None) -> "TargetInfo":
         text = raw.get("text_config") or raw  # multimodal targets (Qwen3.5) nest the language model
+        kinds = set(text.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+        names = " ".join([*(raw.get("architectures") or ()), str(raw.get("model_type", ""))]).lower()
         return cls(
             hidden_size=int(text["hidden_size"]),
             num_layers=int(text["num_hidden_layers"]),
             vocab_size=int(text.get("vocab_size", raw.get("vocab_size"))),
             context_length=context_length or text.get("max_position_embeddings"),
+            attention_only=not kinds and not any(k in text for k in HYBRID_TARGET_KEYS) and "mamba" not in names,
         )
 
     @classmethod
     def from_pretrained(cls, path: str, context_length: Optional[int] = None) -> "TargetInfo":
         with open(os.path.join(path, "config.json")) as f:
             return cls.from_dict(json.load(f), context_length)
-
-
-# Config keys of targets whose layers are not all attention (linear attention, Mamba, hybrids of them).
-HYBRID_TARGET_KEYS = ("full_attention_interval", "linear_conv_kernel_dim", "linear_num_value_heads",
-                      "mamba_d_state", "ssm_state_size", "hybrid_override_pattern", "attn_layer_indices")
-
-
-def attention_only_target(model_path: str, revision: Optional[str] = None) -> bool:
-    """Whether every layer of the target is attention (full or sliding window), from its
-    ``config.json``: a hybrid target keeps SGLang's prefill graph buckets, as a one-token capture
-    has not been checked on its state kernels."""
-    path = os.path.join(local_checkpoint(model_path, "--model-path", revision), "config.json")
-    with open(path) as f:
-        raw = json.load(f)
-    text = raw.get("text_config") or raw
-    kinds = set(text.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
-    names = " ".join([*(raw.get("architectures") or ()), str(raw.get("model_type", ""))]).lower()
-    return not kinds and not any(k in text for k in HYBRID_TARGET_KEYS) and "mamba" not in names
 
 
 def expected_draft_tensors(cfg: DFlashDraftConfig) -> dict[str, tuple[int, ...]]:
@@ -700,8 +693,9 @@ def check_attention_backends(args) -> None:
             f"{capability[0]}.{capability[1]}: use fa3, flashinfer or triton"))
 
 
-def validate_server_args(server_args, release) -> DFlashDraftConfig:
-    """Every start-up check that needs only files and flags. Returns the resolved draft config."""
+def validate_server_args(server_args, release) -> tuple[DFlashDraftConfig, TargetInfo]:
+    """Every start-up check that needs only files and flags. Returns the resolved draft config and
+    what was read of the target."""
     args = release.resolving(server_args)
     if args.pp_size != 1:
         raise DFlashConfigError("--pp-size", f"DFLASH needs pp_size 1, got {args.pp_size}")
@@ -738,4 +732,4 @@ def validate_server_args(server_args, release) -> DFlashDraftConfig:
         )
     verify_widths(config.block_size)  # the experimental switches, checked before any process starts
     width_policy_kind()
-    return config
+    return config, target

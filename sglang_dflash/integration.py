@@ -184,7 +184,6 @@ def handle_dflash_args_hook(original, server_args):
         ONE_TOKEN_PREFILL_GRAPH_ENV,
         DFlashConfigError,
         admissions_as_plain_decoding,
-        attention_only_target,
         fix_block_named_by_flag,
         one_token_prefill_graph,
         validate_server_args,
@@ -195,7 +194,7 @@ def handle_dflash_args_hook(original, server_args):
     if reason is not None:
         return log_builtin_hook(reason, original, server_args)
     try:
-        cfg = validate_server_args(server_args, release)
+        cfg, target = validate_server_args(server_args, release)
     except DFlashConfigError as e:
         # One line and a non-zero exit, before any process or GPU memory is set up.
         raise SystemExit(f"sglang-dflash: {e}") from None
@@ -208,7 +207,7 @@ def handle_dflash_args_hook(original, server_args):
         release.declare(server_args, **admissions)
     original(server_args)
     graphs = None
-    if one_token_prefill_graph() and attention_only_target(view.model_path, getattr(view, "revision", None)):
+    if one_token_prefill_graph() and target.attention_only:
         graphs = release.with_one_token_prefill_graph(server_args)
     if graphs is not None:
         release.declare(server_args, cuda_graph_config=graphs)

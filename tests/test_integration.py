@@ -581,7 +581,10 @@ def test_a_hybrid_target_keeps_sglangs_prefill_buckets(tmp_path, monkeypatch, la
 
 
 def test_hybrid_targets_are_told_apart_by_their_config(tmp_path):
-    from sglang_dflash.config import attention_only_target
+    from sglang_dflash.config import TargetInfo
+
+    def attention_only_target(path):
+        return TargetInfo.from_pretrained(path).attention_only
 
     assert attention_only_target(write_target(str(tmp_path / "dense")))
     assert not attention_only_target(write_target(str(tmp_path / "next"), full_attention_interval=4))
