@@ -522,6 +522,33 @@ def test_idle_gaps_name_the_kernel_that_ends_each_gap_and_what_the_late_host_was
     assert idle_gaps([ev("cpu", "cpu_op", 0, 1)], steps=1) == {}
 
 
+
+def test_a_light_profile_reads_steady_steps_apart_from_a_request_boundary():
+    events, corr = [], iter(range(10_000))
+
+    def kernel(name, ts, dur, launch_end):
+        c = next(corr)
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}})
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_end - 2, "dur": 2,
+                       "args": {"correlation": c}})
+
+    t = 0.0
+    for step in range(4):
+        kernel("_prepare_block_kernel", t, 10, t - 5000)
+        gap = 3_000 if step == 2 else 4  # the third step waits on a late host (a prefill before it)
+        kernel("verify", t + 10 + gap, 1000, t + 10 + (gap if step == 2 else -4000))
+        t += 10 + gap + 1000
+    kernel("_prepare_block_kernel", t, 10, t)
+    kinds = idle_gaps(events, steps=4)["step_kinds"]
+    assert kinds["marker"] == "_prepare_block_kernel"
+    assert (kinds["steps"], kinds["steady_steps"]) == (4, 3)
+    assert kinds["steady_span_us_median"] == 1014 and kinds["steady_idle_us_median"] == 4
+    assert kinds["steady_host_lead_us_median"] == 4000  # the steady steps' launches came 4 ms early
+    boundary, = kinds["boundary_steps"]
+    assert boundary["idle_us"] == 3000 and boundary["gaps"][0] == (3000, "verify", 3000)
+    # a trace with no known per-step kernel (plain decoding) has no split
+    assert "step_kinds" not in idle_gaps([e for e in events if "prepare" not in e["name"]], steps=4)
+
 def test_wave_profile_counts_worker_calls():
     ev = lambda name: {"ph": "X", "cat": "python_function", "name": name, "ts": 0, "dur": 1}  # noqa: E731
     events = [ev("sglang_dflash/worker.py(278): forward_batch_generation")] * 3 + [

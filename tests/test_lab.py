@@ -179,30 +179,3 @@ def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
     assert out["greedy_mismatches"] == 1 and out["first_divergences"] == [(0, 2)]
     assert out["stop_mismatches"] == 1 and out["errors"] == 0 and out["accept_length"] == 2.5
 
-
-def test_trace_steps_tells_steady_steps_from_a_request_boundary():
-    if os.path.join(ROOT, "lab") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "lab"))
-    import trace_steps
-
-    events, corr = [], iter(range(10_000))
-
-    def kernel(name, ts, dur, launch_end):
-        c = next(corr)
-        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}})
-        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_end - 2, "dur": 2,
-                       "args": {"correlation": c}})
-
-    t = 0.0
-    for step in range(4):
-        kernel("_prepare_block_kernel", t, 10, t - 5000)
-        gap = 3_000 if step == 2 else 4  # the third step waits on a late host (a prefill)
-        kernel("verify", t + 10 + gap, 1000, t + 10 + (gap if step == 2 else -4000))
-        t += 10 + gap + 1000
-    kernel("_prepare_block_kernel", t, 10, t)
-    report = trace_steps.summarize(trace_steps.split_steps(events, "_prepare_block"), steady_gap_us=50)
-    assert (report["steps"], report["steady_steps"]) == (4, 3)
-    assert report["steady_span_us_median"] == 1014 and report["steady_idle_us_median"] == 4
-    boundary, = report["boundary_steps"]
-    assert boundary["idle_us"] == 3000 and boundary["gaps"][0] == (3000, "verify", 3000)
-    assert report["steady_host_lead_us_median"] == 4000  # the other launches came 4 ms early

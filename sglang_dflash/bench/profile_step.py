@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -239,7 +240,65 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
         "kernels_us_per_step": kernels,
         "kernel_calls_per_step": {k: round(kernel_calls[k] / steps, 2) for k in kernels},
         "kernel_launches_per_step": round(len(busy) / steps, 1),
+        **step_kinds(events),
     }
+
+
+# A kernel each decode step runs once: the plugin's block set-up, the built-in's.
+STEP_MARKERS = ("_prepare_block_kernel", "_prepare_dflash_draft_block")
+
+
+def split_steps(events: list[dict], marker: str, min_gap_us: float = 3.0) -> list[dict]:
+    """The trace's decode steps, each from one run of ``marker`` to the next: span, GPU idle,
+    kernels, and its gaps over ``min_gap_us`` as (gap, the kernel that ended it, how late the
+    host's launch call returned after the GPU went idle, or None), longest first."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_BUSY), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    marks = [i for i, e in enumerate(gpu) if marker in e["name"]]
+    steps = []
+    for first, nxt in zip(marks, marks[1:]):
+        end, idle, gaps = gpu[first]["ts"], 0.0, []
+        for e in gpu[first:nxt]:
+            gap = e["ts"] - end
+            if gap > min_gap_us:
+                idle += gap
+                launch = launches.get(e.get("args", {}).get("correlation"))
+                late = None if launch is None else round(launch["ts"] + launch["dur"] - end, 1)
+                gaps.append((round(gap, 1), e["name"][:60], late))
+            end = max(end, e["ts"] + e["dur"])
+        steps.append({"span_us": round(gpu[nxt]["ts"] - gpu[first]["ts"], 1), "idle_us": round(idle, 1),
+                      "kernels": nxt - first, "gaps": sorted(gaps, reverse=True)})
+    return steps
+
+
+def steady_and_boundary(steps: list[dict], steady_gap_us: float = 50.0) -> dict:
+    """Steady steps (no GPU gap of ``steady_gap_us``: a graph's own kernels leave gaps of a few µs)
+    summarised apart from the steps a request boundary fell in (a prefill, a new request), whose
+    waits a light profile's idle totals would otherwise mix in."""
+    is_steady = lambda s: not s["gaps"] or s["gaps"][0][0] < steady_gap_us  # noqa: E731
+    steady = [s for s in steps if is_steady(s)]
+    median = lambda values: round(statistics.median(values), 1) if values else None  # noqa: E731
+    # how far ahead of the GPU the host launched a steady step's kernels (a late launch is negative)
+    leads = [-g[2] for s in steady for g in s["gaps"] if g[2] is not None]
+    return {
+        "steps": len(steps),
+        "steady_steps": len(steady),
+        "steady_span_us_median": median([s["span_us"] for s in steady]),
+        "steady_idle_us_median": median([s["idle_us"] for s in steady]),
+        "steady_kernels_median": median([s["kernels"] for s in steady]),
+        "steady_host_lead_us_median": median(leads),
+        "boundary_steps": [{**s, "gaps": s["gaps"][:6]} for s in steps if not is_steady(s)],
+    }
+
+
+def step_kinds(events: list[dict]) -> dict:
+    """``{"step_kinds": ...}`` split at the first of STEP_MARKERS the trace runs, else nothing."""
+    names = {e["name"] for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"}
+    for marker in STEP_MARKERS:
+        if any(marker in n for n in names):
+            return {"step_kinds": {"marker": marker, **steady_and_boundary(split_steps(events, marker))}}
+    return {}
 
 
 # A decode step's phases, from the worker call that launched each kernel (plugin and built-in
@@ -386,8 +445,8 @@ def main(argv=None) -> int:
                     help="trace one whole wave of --concurrency requests instead of --steps steps mid-flight")
     ap.add_argument("--light", action="store_true",
                     help="trace without Python stacks and summarise only kernel time and where the GPU sits "
-                         "idle and why (stack tracing slows the host several-fold); with --wave, both servers "
-                         "are traced over the same context lengths")
+                         "idle and why, steady steps apart from request boundaries (stack tracing slows the host "
+                         "several-fold); with --wave, both servers are traced over the same context lengths")
     ap.add_argument("--light-too", action="store_true",
                     help="trace each level both ways on the same server: without stacks (reported as cN-light), "
                          "then with them (cN)")
