@@ -16,7 +16,7 @@ and how late the host launched it.
 import argparse
 import json
 
-from sglang_dflash.bench.profile_step import load_trace, split_steps, steady_and_boundary
+from sglang_dflash.bench.profile_step import gpu_work, load_trace, split_steps, steady_and_boundary
 
 
 def main(argv=None) -> int:
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steady-gap-us", type=float, default=50.0,
                     help="a step with no GPU gap this long is steady (default 50)")
     args = ap.parse_args(argv)
-    steps = split_steps(load_trace(args.trace), args.marker)
+    steps = split_steps(*gpu_work(load_trace(args.trace)), args.marker)
     if not steps:
         ap.error(f"no two launches of a kernel named like {args.marker!r} in {args.trace}")
     print(json.dumps(steady_and_boundary(steps, args.steady_gap_us), indent=1))

@@ -522,7 +522,6 @@ def test_idle_gaps_name_the_kernel_that_ends_each_gap_and_what_the_late_host_was
     assert idle_gaps([ev("cpu", "cpu_op", 0, 1)], steps=1) == {}
 
 
-
 def test_a_light_profile_reads_steady_steps_apart_from_a_request_boundary():
     events, corr = [], iter(range(10_000))
 
@@ -548,6 +547,7 @@ def test_a_light_profile_reads_steady_steps_apart_from_a_request_boundary():
     assert boundary["idle_us"] == 3000 and boundary["gaps"][0] == (3000, "verify", 3000)
     # a trace with no known per-step kernel (plain decoding) has no split
     assert "step_kinds" not in idle_gaps([e for e in events if "prepare" not in e["name"]], steps=4)
+
 
 def test_wave_profile_counts_worker_calls():
     ev = lambda name: {"ph": "X", "cat": "python_function", "name": name, "ts": 0, "dur": 1}  # noqa: E731

@@ -178,4 +178,3 @@ def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
     out = lp.compare(ar, plugin)
     assert out["greedy_mismatches"] == 1 and out["first_divergences"] == [(0, 2)]
     assert out["stop_mismatches"] == 1 and out["errors"] == 0 and out["accept_length"] == 2.5
-

@@ -192,11 +192,9 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
     that launch came after the GPU had gone idle, the host was late, and the CPU ops it ran on that
     thread in the meantime (outermost only) say what it was doing."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    busy = sorted((e for e in complete if e.get("cat") in GPU_BUSY), key=lambda e: e["ts"])
+    busy, launches = gpu_work(complete)
     if not busy:
         return {}
-    launches = {e["args"]["correlation"]: e for e in complete
-                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     ops = defaultdict(list)  # (pid, tid) -> outermost CPU ops, in time order
     for e in sorted((e for e in complete if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")),
                     key=lambda e: (e["ts"], -e["dur"])):
@@ -240,7 +238,7 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
         "kernels_us_per_step": kernels,
         "kernel_calls_per_step": {k: round(kernel_calls[k] / steps, 2) for k in kernels},
         "kernel_launches_per_step": round(len(busy) / steps, 1),
-        **step_kinds(events),
+        **step_kinds(busy, launches),
     }
 
 
@@ -248,13 +246,20 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
 STEP_MARKERS = ("_prepare_block_kernel", "_prepare_dflash_draft_block")
 
 
-def split_steps(events: list[dict], marker: str, min_gap_us: float = 3.0) -> list[dict]:
-    """The trace's decode steps, each from one run of ``marker`` to the next: span, GPU idle,
-    kernels, and its gaps over ``min_gap_us`` as (gap, the kernel that ended it, how late the
-    host's launch call returned after the GPU went idle, or None), longest first."""
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_BUSY), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+def gpu_work(events: list[dict]) -> tuple[list[dict], dict]:
+    """A trace's GPU work (kernels, copies, memsets) in time order, and its launch calls by
+    correlation id."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    busy = sorted((e for e in complete if e.get("cat") in GPU_BUSY), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in complete
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    return busy, launches
+
+
+def split_steps(gpu: list[dict], launches: dict, marker: str, min_gap_us: float = 3.0) -> list[dict]:
+    """The decode steps of ``gpu_work``'s output, each from one run of ``marker`` to the next: span,
+    GPU idle, kernels, and its gaps over ``min_gap_us`` as (gap, the kernel that ended it, how late
+    the host's launch call returned after the GPU went idle, or None), longest first."""
     marks = [i for i, e in enumerate(gpu) if marker in e["name"]]
     steps = []
     for first, nxt in zip(marks, marks[1:]):
@@ -292,12 +297,12 @@ def steady_and_boundary(steps: list[dict], steady_gap_us: float = 50.0) -> dict:
     }
 
 
-def step_kinds(events: list[dict]) -> dict:
+def step_kinds(busy: list[dict], launches: dict) -> dict:
     """``{"step_kinds": ...}`` split at the first of STEP_MARKERS the trace runs, else nothing."""
-    names = {e["name"] for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"}
+    names = {e["name"] for e in busy}
     for marker in STEP_MARKERS:
         if any(marker in n for n in names):
-            return {"step_kinds": {"marker": marker, **steady_and_boundary(split_steps(events, marker))}}
+            return {"step_kinds": {"marker": marker, **steady_and_boundary(split_steps(busy, launches, marker))}}
     return {}
 
 
