@@ -30,6 +30,13 @@ IMPLEMENTATIONS = {
     "adaptive": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                          "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
     "plugin-fixed": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "fixed"}),
+    # A/B of what the default spends where full width is best: the policy, the fallback and the step
+    # timing, without the narrower drafting widths (block 16 or plain decode), and every width in
+    # turn, 8 steps each, whose costs nothing chose (/get_server_info's step_ms).
+    "adaptive-16-1": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "16,1",
+                                                              "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
+    "adaptive-cycle8": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                                "SGLANG_DFLASH_WIDTH_POLICY": "cycle:8"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
     "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
                         {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto", "SGLANG_DFLASH_RAGGED": "1"}),
