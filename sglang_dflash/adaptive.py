@@ -82,23 +82,25 @@ class StepCosts:
     the least is the estimate a median would only reach with most samples clean."""
 
     def __init__(self, window: int = 8):
-        self.samples: dict[tuple[int, int], deque] = {}
+        self.samples: dict[tuple[int, int], deque] = {}  # (order, seconds), the last `window`
         self.seconds: dict[tuple[int, int], float] = {}  # each key's estimate, kept as samples arrive
         self.least_ever: dict[tuple[int, int], float] = {}  # what bounds the other keys
-        self.newest: dict[tuple[int, int], tuple[int, float]] = {}  # (the policy's step, seconds)
+        self.newest: dict[tuple[int, int], tuple[int, float, int]] = {}  # (the policy's step, seconds, order)
         self.seen: Counter = Counter()
         self.window = window
         self.now = 0  # the policy's step count, set by the policy
+        self.order = 0  # samples observed so far, of every key: which of two was timed first
 
     def observe(self, width: int, bs: int, seconds: float) -> None:
         key = (width, bucket(bs))
         self.seen[key] += 1
         if self.seen[key] > 1:
+            self.order += 1
             samples = self.samples.setdefault(key, deque(maxlen=self.window))
-            samples.append(seconds)
-            self.seconds[key] = min(samples)
+            samples.append((self.order, seconds))
+            self.seconds[key] = min(s for _, s in samples)
             self.least_ever[key] = min(seconds, self.least_ever.get(key, seconds))
-            self.newest[key] = (self.now, seconds)
+            self.newest[key] = (self.now, seconds, self.order)
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
@@ -106,10 +108,14 @@ class StepCosts:
     def estimate(self, width: int, bs: int) -> Optional[float]:
         return self.seconds.get((width, bucket(bs)))
 
-    def newest_since(self, width: int, bs: int, step: int) -> Optional[float]:
-        """The newest sample of (width, bs) if it was taken at ``step`` or later."""
+    def newest_since(self, width: int, bs: int, step: int) -> Optional[tuple[float, int]]:
+        """The newest sample of (width, bs), ``(seconds, order)``, if it was taken at ``step`` or later."""
         taken = self.newest.get((width, bucket(bs)))
-        return taken[1] if taken is not None and taken[0] >= step else None
+        return taken[1:] if taken is not None and taken[0] >= step else None
+
+    def timed_after(self, width: int, bs: int, order: int) -> bool:
+        """Whether a (width, bs) sample kept in its window was timed after the sample ``order``."""
+        return any(k > order for k, _ in self.samples.get((width, bucket(bs)), ()))
 
     def lower_bound(self, width: int, bs: int, min_count: int = 1, narrower: bool = True) -> Optional[float]:
         """What a step at (width, bs) costs at least, from the least ever measured at the other
@@ -142,6 +148,7 @@ class WidthPolicy:
     the step."""
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
+    CONFIRM_LAG = 3  # steps until a step's time reaches the policy (the overlap schedule reports late)
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
                  margin: float = 0.1, decide_every: int = 8):
@@ -154,6 +161,8 @@ class WidthPolicy:
         self.steps = 0
         self.current: dict[int, int] = {}  # batch-size bucket -> the width chosen last
         self.confirming: dict[int, int] = {}  # bucket -> a width to time before it may replace the held one
+        self.confirm_asked: dict[int, int] = {}  # bucket -> the step its last confirm step was asked for
+        self.first_wins: dict[int, tuple[int, int]] = {}  # bucket -> (challenger, the sample it won on once)
         self.decide_every = decide_every
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> (best width, the step it is held until)
         self.refreshes = 0
@@ -191,11 +200,12 @@ class WidthPolicy:
             return width, "first_try"
         if self.steps % (8 * self.refresh_every) == 0:
             return self._deep_width(bs), "deep_refresh"
-        width = self._best(bs)
+        width, sure = self._best(bs)
         challenger = self.confirming.pop(bucket(bs), None)
         if challenger is not None:
             return challenger, "confirm"  # the held width stays settled-free: decide again once it is timed
-        self.settled[bucket(bs)] = (width, self.steps + self.decide_every)
+        # Not sure: the held width is timed beside a challenger's sample first, so decide next step.
+        self.settled[bucket(bs)] = (width, self.steps + (self.decide_every if sure else 1))
         if self.steps % self.refresh_every == 0:
             refresh = self._worth_measuring(bs, width)
             if refresh is not None:
@@ -231,31 +241,55 @@ class WidthPolicy:
             return None
         return min(untried, key=lambda w: (-self.best_possible(w, bs), w != max(self.widths), w != 1))
 
-    def _best(self, bs: int) -> int:
-        """The measured width with the most expected tokens per second. Another than the width
-        held must beat it by ``margin / 4`` on a sample of its own taken in the last
-        ``refresh_every`` steps, measured first if it has none (a ``confirm`` step): the held
-        width is timed every step, the others now and then, and a slow stretch that raised the
-        held width's cost raises theirs alike, which their older samples do not show (SmolLM2 on
-        fa3, session 31: width 8 held for hundreds of steps at the cost of width 16)."""
+    def _best(self, bs: int) -> tuple[int, bool]:
+        """The measured width with the most expected tokens per second, and whether that is
+        settled. Another than the width held replaces it only on a sample of its own taken in the
+        last ``refresh_every`` steps (a ``confirm`` step when there is none) that beats, by
+        ``margin / 4``, the held width's least of its samples just before and after it (waited
+        for: not settled); a narrower width, which commits fewer tokens and can win on its cost
+        alone, on two such samples. The held width is timed every step, the others now
+        and then, on a host whose speed drifts in stretches: a challenger's older samples come
+        from other stretches than the held width's recent ones (SmolLM2 on fa3, session 31:
+        width 8, timed long before in a quiet stretch, held for hundreds of steps at the cost of
+        width 16), and one sample of its own can fall in a quiet moment between slow ones
+        (session 43, H200: width 8 held for 30-47% of a level's steps after single readings such
+        as 16 at 5.2 ms against 8 at 4.1, where steady runs of each cost the same)."""
         b = bucket(bs)
         best = max(self._measured(bs), key=lambda w: self.throughput(w, bs))
         held = self.current.get(b)
         if held is not None and best != held and self.costs.estimate(held, bs) is not None:
             fresh = self.costs.newest_since(best, bs, self.steps - self.refresh_every)
-            if fresh is None:
-                self.confirming[b] = best
-                best = held
-            elif self.acceptance.expected_tokens(best) / fresh <= (1 + self.margin / 4) * self.throughput(held, bs):
-                best = held
-            else:
-                self._log_switch(b, held, best, fresh)
+            won = self.first_wins.get(b)
+            if fresh is None or (won is not None and won == (best, fresh[1])):
+                if self.steps - self.confirm_asked.get(b, -self.refresh_every) <= self.CONFIRM_LAG:
+                    return held, False  # its confirm step's time is not in yet
+                return self._confirm(b, best, held)
+            seconds, order = fresh
+            if not self.costs.timed_after(held, bs, order):
+                return held, False
+            beside = self.costs.estimate(held, bs)  # its window holds samples from both sides now
+            rate = self.acceptance.expected_tokens(best) / seconds
+            if rate <= (1 + self.margin / 4) * self.acceptance.expected_tokens(held) / beside:
+                self.first_wins.pop(b, None)
+                return held, True
+            if best < held and (won is None or won[0] != best):  # narrower: time it again first
+                self.first_wins[b] = (best, order)
+                return self._confirm(b, best, held)
+            self.first_wins.pop(b, None)
+            self._log_switch(b, held, best, seconds)
         self.current[b] = best
-        return best
+        return best, True
+
+    def _confirm(self, b: int, challenger: int, held: int) -> tuple[int, bool]:
+        """Time ``challenger`` in this step (a ``confirm`` step); the held width stays held."""
+        self.confirming[b] = challenger
+        self.confirm_asked[b] = self.steps
+        return held, True
 
     def _log_switch(self, b: int, held: int, best: int, fresh: float) -> None:
         """What a bucket's held width was replaced on: each width's cost estimate (the least of its
-        recent samples), the new width's own fresh sample, and the tokens each is expected to commit."""
+        recent samples, the held width's from both sides of the new one's), the new width's own
+        fresh sample, and the tokens each is expected to commit."""
         self.switch_log.append({
             "step": self.steps, "bucket": b, "from": held, "to": best,
             "from_ms": round(self.costs.estimate(held, b) * 1000, 3),

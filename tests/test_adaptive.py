@@ -319,6 +319,42 @@ def test_narrow_widths_that_cost_more_than_full_width_are_not_kept_after_a_slow_
                 assert ratio >= 0.98, (shortest, p, seed, ratio)
 
 
+def drained_waves(policy, seed, p, levels=(16, 32, 4, 8), waves=12):
+    """Waves as the benchmark sends them: c requests of 100-256 tokens, the batch draining through
+    the buckets as they finish, the host's speed set anew each wave and now and then within one
+    (1.3x and 1.6x stretches), each step noisy with one-sided hiccups. Every drafting width costs
+    the same, width 1 0.8x. Returns the share of steps at which a narrower width was held."""
+    rng = random.Random(seed)
+    for c in levels:
+        for _ in range(waves):
+            factor = rng.choice([1.0, 1.0, 1.0, 1.3, 1.6])
+            left = [rng.randint(100, 256) for _ in range(c)]
+            while any(n > 0 for n in left):
+                if rng.random() < 0.02:
+                    factor = rng.choice([1.0, 1.0, 1.3, 1.6])
+                live = [i for i, n in enumerate(left) if n > 0]
+                w = policy.choose(len(live))
+                lens = accepted_drafts(rng, len(live), w, p)
+                hiccup = rng.expovariate(2) if rng.random() < 0.1 else 0.0
+                policy.record(w, len(live), lens,
+                              3.3e-3 * (0.8 if w == 1 else 1.0) * factor * (1 + 0.1 * rng.random()) * (1 + hiccup))
+                for i, a in zip(live, lens):
+                    left[i] -= a + 1
+    held = sum(n for (_, w, why), n in policy.reasons.items() if why == "best" and w != max(policy.widths))
+    return held / sum(policy.reasons.values())
+
+
+def test_a_host_that_drifts_between_waves_does_not_hold_narrower_widths():
+    """Seen on the GPU (SmolLM2 on an H200, fa3, session 43): steady runs of widths 16, 8, 4 and 2
+    cost the same, yet the default held width 8 in 30-47% of a level's steps (gsm8k c16 and c32,
+    mt-bench c32), switching on single readings such as 16 at 5.2 ms against 8 at 4.1: the held
+    width's samples came from a slow stretch, the challenger's from the quiet moment after it.
+    Judged against the held width timed beside it, and twice when narrower, a narrower width is
+    held in about 1% of the steps here; the policy before held one in 7% (13% in some runs)."""
+    shares = [drained_waves(WidthPolicy(16), seed, p) for p in (0.72, 0.8) for seed in range(6)]
+    assert statistics.mean(shares) <= 0.03, shares
+
+
 def test_near_equal_widths_do_not_flip_on_noise():
     """No draft accepted, steps noisy by up to 15%, the draft pass a fifth of a step (fa3 at bs 1
     on the 8B rig: 7.1 ms against 8.4-9.1 ms): width 1 holds."""
