@@ -178,3 +178,22 @@ def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
     out = lp.compare(ar, plugin)
     assert out["greedy_mismatches"] == 1 and out["first_divergences"] == [(0, 2)]
     assert out["stop_mismatches"] == 1 and out["errors"] == 0 and out["accept_length"] == 2.5
+
+
+def test_the_pooled_ratio_plot_reads_each_level_with_its_interval(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("plot_pooled", os.path.join(ROOT, "lab", "plot_pooled.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    pooled = tmp_path / "pooled_waves.json"
+    pooled.write_text(json.dumps({"pooled": {  # written by sglang_dflash.bench.pool; c16 before c4 there
+        "c16": {"geomean": 0.95, "ci95": [0.9, 1.1]}, "c4": {"geomean": 1.0, "ci95": [0.8, 1.05]}}}))
+    conc, mean, low, high = plot.points(str(pooled))
+    assert conc == [4, 16] and mean == [1.0, 0.95]
+    assert low == pytest.approx([0.2, 0.05]) and high == pytest.approx([0.05, 0.15])
+    out = tmp_path / "ratios.png"
+    subprocess.run([sys.executable, os.path.join(ROOT, "lab", "plot_pooled.py"), str(out), "--line", "0.98",
+                    "--panel", "set", f"a / b={pooled}"], check=True)
+    assert out.stat().st_size > 1000
