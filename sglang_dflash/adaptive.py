@@ -257,7 +257,9 @@ class WidthPolicy:
         b = bucket(bs)
         best = max(self._measured(bs), key=lambda w: self.throughput(w, bs))
         held = self.current.get(b)
-        if held is not None and best != held and self.costs.estimate(held, bs) is not None:
+        if best == held:
+            self.first_wins.pop(b, None)  # a win counts only while its width still reads best
+        elif held is not None and self.costs.estimate(held, bs) is not None:
             fresh = self.costs.newest_since(best, bs, self.steps - self.refresh_every)
             won = self.first_wins.get(b)
             if fresh is None or (won is not None and won == (best, fresh[1])):
