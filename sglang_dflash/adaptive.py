@@ -82,10 +82,9 @@ class StepCosts:
     the least is the estimate a median would only reach with most samples clean."""
 
     def __init__(self, window: int = 8):
-        self.samples: dict[tuple[int, int], deque] = {}  # (order, seconds), the last `window`
+        self.samples: dict[tuple[int, int], deque] = {}  # (order, the policy's step, seconds), the last `window`
         self.seconds: dict[tuple[int, int], float] = {}  # each key's estimate, kept as samples arrive
         self.least_ever: dict[tuple[int, int], float] = {}  # what bounds the other keys
-        self.newest: dict[tuple[int, int], tuple[int, float, int]] = {}  # (the policy's step, seconds, order)
         self.seen: Counter = Counter()
         self.window = window
         self.now = 0  # the policy's step count, set by the policy
@@ -97,10 +96,9 @@ class StepCosts:
         if self.seen[key] > 1:
             self.order += 1
             samples = self.samples.setdefault(key, deque(maxlen=self.window))
-            samples.append((self.order, seconds))
-            self.seconds[key] = min(s for _, s in samples)
+            samples.append((self.order, self.now, seconds))
+            self.seconds[key] = min(s for _, _, s in samples)
             self.least_ever[key] = min(seconds, self.least_ever.get(key, seconds))
-            self.newest[key] = (self.now, seconds, self.order)
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
@@ -110,12 +108,15 @@ class StepCosts:
 
     def newest_since(self, width: int, bs: int, step: int) -> Optional[tuple[float, int]]:
         """The newest sample of (width, bs), ``(seconds, order)``, if it was taken at ``step`` or later."""
-        taken = self.newest.get((width, bucket(bs)))
-        return taken[1:] if taken is not None and taken[0] >= step else None
+        samples = self.samples.get((width, bucket(bs)))
+        if not samples or samples[-1][1] < step:
+            return None
+        order, _, seconds = samples[-1]
+        return seconds, order
 
     def timed_after(self, width: int, bs: int, order: int) -> bool:
         """Whether a (width, bs) sample kept in its window was timed after the sample ``order``."""
-        return any(k > order for k, _ in self.samples.get((width, bucket(bs)), ()))
+        return any(k > order for k, _, _ in self.samples.get((width, bucket(bs)), ()))
 
     def lower_bound(self, width: int, bs: int, min_count: int = 1, narrower: bool = True) -> Optional[float]:
         """What a step at (width, bs) costs at least, from the least ever measured at the other
