@@ -106,6 +106,11 @@ class StepCosts:
     def estimate(self, width: int, bs: int) -> Optional[float]:
         return self.seconds.get((width, bucket(bs)))
 
+    def typical(self, width: int, bs: int) -> Optional[float]:
+        """The median of (width, bs)'s kept samples: what one more sample is as likely to beat as not."""
+        samples = self.samples.get((width, bucket(bs)))
+        return statistics.median(s for _, _, s in samples) if samples else None
+
     def newest_since(self, width: int, bs: int, step: int) -> Optional[tuple[float, int]]:
         """The newest sample of (width, bs), ``(seconds, order)``, if it was taken at ``step`` or later."""
         samples = self.samples.get((width, bucket(bs)))
@@ -270,7 +275,12 @@ class WidthPolicy:
             seconds, order = fresh
             if not self.costs.timed_after(held, bs, order):
                 return held, False
-            beside = self.costs.estimate(held, bs)  # its window holds samples from both sides now
+            # Its window holds samples from both sides now. A wider challenger's one sample is set
+            # against their median, as likely beaten as not on equal costs; a narrower one's against
+            # their least: the least of several, set against one, would keep a narrower width held
+            # on a noisy host (session 44, H200: width 8 held at bs 8-32 through 27 confirm steps
+            # of width 16, whose least read 15% cheaper than width 8's).
+            beside = self.costs.typical(held, bs) if best > held else self.costs.estimate(held, bs)
             rate = self.acceptance.expected_tokens(best) / seconds
             if rate <= (1 + self.margin / 4) * self.acceptance.expected_tokens(held) / beside:
                 self.first_wins.pop(b, None)

@@ -355,6 +355,34 @@ def test_a_host_that_drifts_between_waves_does_not_hold_narrower_widths():
     assert statistics.mean(shares) <= 0.03, shares
 
 
+def test_full_width_takes_back_a_bucket_held_narrower_once_they_cost_the_same():
+    """Seen on the GPU (SmolLM2 on an H200, fa3, session 44): width 8 held at bs 8-32 through 27
+    confirm steps of width 16, whose least read 15% cheaper than width 8's: each confirm set one
+    sample of width 16 against the least of width 8's last eight, and on a host whose steps swing
+    by tens of percent one sample seldom beats the least of eight. Here width 8 is first really
+    the cheapest, then every width costs the same under one-sided hiccups: a narrower width is held
+    in about 3% of the second stretch's steps (until width 16 is timed again); 10% before."""
+    def run(policy, rng, steps, cost):
+        for _ in range(steps):
+            w = policy.choose(8)
+            policy.record(w, 8, accepted_drafts(rng, 8, w, 0.72), cost(rng, w))
+
+    def hiccups(rng, w):
+        return 3.3e-3 * (1 + 0.2 * rng.random()) * (1 + (rng.expovariate(2) if rng.random() < 0.3 else 0.0))
+
+    shares = []
+    for seed in range(10):
+        rng, policy = random.Random(seed), WidthPolicy(16)
+        narrow_cheaper = {16: 3.0e-3, 8: 2.0e-3, 4: 1.9e-3, 2: 1.85e-3, 1: 1.8e-3}
+        run(policy, rng, 200, lambda rng, w: narrow_cheaper[w] * (1 + 0.05 * rng.random()))
+        assert policy.current[8] == 8  # the case means what it says
+        policy.reasons.clear()
+        run(policy, rng, 600, hiccups)
+        held = sum(n for (_, w, why), n in policy.reasons.items() if why == "best" and w != 16)
+        shares.append(held / 600)
+    assert statistics.mean(shares) <= 0.05, shares
+
+
 def test_near_equal_widths_do_not_flip_on_noise():
     """No draft accepted, steps noisy by up to 15%, the draft pass a fifth of a step (fa3 at bs 1
     on the 8B rig: 7.1 ms against 8.4-9.1 ms): width 1 holds."""
