@@ -249,12 +249,13 @@ class WidthPolicy:
 
     def _best(self, bs: int) -> tuple[int, bool]:
         """The measured width with the most expected tokens per second, and whether that is
-        settled. Another than the width held replaces it only on a sample of its own taken in the
-        last ``refresh_every`` steps (a ``confirm`` step when there is none) that beats, by
-        ``margin / 4``, the held width's least of its samples just before and after it (waited
-        for: not settled); a narrower width, which commits fewer tokens and can win on its cost
-        alone, on two such samples. The held width is timed every step, the others now
-        and then, on a host whose speed drifts in stretches: a challenger's older samples come
+        settled. Another than the width held (full width before a bucket's first choice) replaces
+        it only on a sample of its own taken in the last ``refresh_every`` steps (a ``confirm``
+        step when there is none) that beats, by ``margin / 4``, the held width's samples just
+        before and after it (waited for: not settled): their median for a wider width; their
+        least, on two such samples, for a narrower one, which commits fewer tokens and can win on
+        its cost alone. The held width is timed every step, the others now and then, on a host
+        whose speed drifts in stretches: a challenger's older samples come
         from other stretches than the held width's recent ones (SmolLM2 on fa3, session 31:
         width 8, timed long before in a quiet stretch, held for hundreds of steps at the cost of
         width 16), and one sample of its own can fall in a quiet moment between slow ones
@@ -262,10 +263,13 @@ class WidthPolicy:
         as 16 at 5.2 ms against 8 at 4.1, where steady runs of each cost the same)."""
         b = bucket(bs)
         best = max(self._measured(bs), key=lambda w: self.throughput(w, bs))
-        held = self.current.get(b)
+        # A bucket's first choice is a switch from full width: a narrower width read cheapest on its
+        # few first tries, where every width costs the same, was otherwise held until full width
+        # won a confirm (session 44, H200, SmolLM2 mt-bench: width 8 for 16-22% of the first level).
+        held = self.current.get(b, max(self.widths))
         if best == held:
             self.first_wins.pop(b, None)  # a win counts only while its width still reads best
-        elif held is not None and self.costs.estimate(held, bs) is not None:
+        elif self.costs.estimate(held, bs) is not None:
             fresh = self.costs.newest_since(best, bs, self.steps - self.refresh_every)
             won = self.first_wins.get(b)
             if fresh is None or (won is not None and won == (best, fresh[1])):
