@@ -361,7 +361,7 @@ def test_full_width_takes_back_a_bucket_held_narrower_once_they_cost_the_same():
     sample of width 16 against the least of width 8's last eight, and on a host whose steps swing
     by tens of percent one sample seldom beats the least of eight. Here width 8 is first really
     the cheapest, then every width costs the same under one-sided hiccups: a narrower width is held
-    in about 3% of the second stretch's steps (until width 16 is timed again); 10% before."""
+    in about 3% of the second stretch's steps (until width 16 is timed again); 12% before."""
     def run(policy, rng, steps, cost):
         for _ in range(steps):
             w = policy.choose(8)
@@ -389,7 +389,7 @@ def test_a_new_bucket_keeps_full_width_where_every_width_costs_the_same():
     swing by tens of percent it read best on its few first tries at half the buckets, and was held
     until width 16 won a confirm: 16-22% of the first level's steps. A bucket's first choice is
     now a switch from full width (a narrower width wins it twice): a narrower width is held in
-    about 2% of the steps here, 15% before."""
+    about 2% of the steps here, 12% before."""
     def hiccups(rng, w):
         return (2.6e-3 if w == 1 else 3.0e-3) * (1 + 0.2 * rng.random()) * \
             (1 + (rng.expovariate(2) if rng.random() < 0.3 else 0.0))
