@@ -255,8 +255,8 @@ class WidthPolicy:
         before and after it (waited for: not settled): their median for a wider width; their
         least, on two such samples, for a narrower one, which commits fewer tokens and can win on
         its cost alone. The held width is timed every step, the others now and then, on a host
-        whose speed drifts in stretches: a challenger's older samples come
-        from other stretches than the held width's recent ones (SmolLM2 on fa3, session 31:
+        whose speed drifts in stretches: a challenger's older samples come from other stretches
+        than the held width's recent ones (SmolLM2 on fa3, session 31:
         width 8, timed long before in a quiet stretch, held for hundreds of steps at the cost of
         width 16), and one sample of its own can fall in a quiet moment between slow ones
         (session 43, H200: width 8 held for 30-47% of a level's steps after single readings such

@@ -362,22 +362,15 @@ def test_full_width_takes_back_a_bucket_held_narrower_once_they_cost_the_same():
     by tens of percent one sample seldom beats the least of eight. Here width 8 is first really
     the cheapest, then every width costs the same under one-sided hiccups: a narrower width is held
     in about 3% of the second stretch's steps (until width 16 is timed again); 12% before."""
-    def run(policy, rng, steps, cost):
-        for _ in range(steps):
-            w = policy.choose(8)
-            policy.record(w, 8, accepted_drafts(rng, 8, w, 0.72), cost(rng, w))
-
-    def hiccups(rng, w):
-        return 3.3e-3 * (1 + 0.2 * rng.random()) * (1 + (rng.expovariate(2) if rng.random() < 0.3 else 0.0))
-
+    narrow_cheaper = {16: 3.0e-3, 8: 2.0e-3, 4: 1.9e-3, 2: 1.85e-3, 1: 1.8e-3}
     shares = []
     for seed in range(10):
         rng, policy = random.Random(seed), WidthPolicy(16)
-        narrow_cheaper = {16: 3.0e-3, 8: 2.0e-3, 4: 1.9e-3, 2: 1.85e-3, 1: 1.8e-3}
-        run(policy, rng, 200, lambda rng, w: narrow_cheaper[w] * (1 + 0.05 * rng.random()))
+        run_policy(policy, 8, 0.72, lambda w, b: narrow_cheaper[w] * (1 + 0.05 * rng.random()), 200, rng)
         assert policy.current[8] == 8  # the case means what it says
         policy.reasons.clear()
-        run(policy, rng, 600, hiccups)
+        run_policy(policy, 8, 0.72, lambda w, b: 3.3e-3 * (1 + 0.2 * rng.random()) *
+                   (1 + (rng.expovariate(2) if rng.random() < 0.3 else 0.0)), 600, rng)
         held = sum(n for (_, w, why), n in policy.reasons.items() if why == "best" and w != 16)
         shares.append(held / 600)
     assert statistics.mean(shares) <= 0.05, shares
@@ -390,17 +383,13 @@ def test_a_new_bucket_keeps_full_width_where_every_width_costs_the_same():
     until width 16 won a confirm: 16-22% of the first level's steps. A bucket's first choice is
     now a switch from full width (a narrower width wins it twice): a narrower width is held in
     about 2% of the steps here, 12% before."""
-    def hiccups(rng, w):
-        return (2.6e-3 if w == 1 else 3.0e-3) * (1 + 0.2 * rng.random()) * \
-            (1 + (rng.expovariate(2) if rng.random() < 0.3 else 0.0))
-
     shares = []
     for seed in range(20):
         rng, policy = random.Random(seed), WidthPolicy(16)
+        hiccups = lambda w, b: (2.6e-3 if w == 1 else 3.0e-3) * (1 + 0.2 * rng.random()) * \
+            (1 + (rng.expovariate(2) if rng.random() < 0.3 else 0.0))  # noqa: E731
         for bs in (16, 32, 1, 2, 4, 8, 64):
-            for _ in range(150):
-                w = policy.choose(bs)
-                policy.record(w, bs, accepted_drafts(rng, bs, w, 0.55), hiccups(rng, w))
+            run_policy(policy, bs, 0.55, hiccups, 150, rng)
         held = sum(n for (_, w, why), n in policy.reasons.items() if why == "best" and w != 16)
         shares.append(held / sum(policy.reasons.values()))
     assert statistics.mean(shares) <= 0.06, shares
