@@ -38,29 +38,37 @@ class AcceptanceByPosition:
     def __init__(self, block_size: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
         self.block_size, self.decay = block_size, decay
         self.prior, self.prior_weight = prior, prior_weight  # pseudo-counts: a position never seen has `prior`
+        # Counts in units of `weight`, which grows by 1/decay a step: the older counts decay without
+        # every position being touched each step (the policy's host time is a share of a short step).
+        self.weight = 1.0
         self.accepted = [0.0] * block_size  # index k: draft k (1-based; 0 unused)
         self.tested = [0.0] * block_size
         self._expected: Optional[list[float]] = None  # by width, until the next update
 
     def update(self, accept_lens: Sequence[int], width: int) -> None:
         """One step's accepted-draft counts (bonus excluded), one per request, at ``width``."""
+        self.weight /= self.decay
+        if self.weight > 1e12:  # back to 1 now and then, far inside a float's range and precision
+            self.accepted = [a / self.weight for a in self.accepted]
+            self.tested = [t / self.weight for t in self.tested]
+            self.weight = 1.0
         # Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
         # and accepted in those that accepted at least k: counts from the suffix sums.
-        at_least = [0] * (width + 1)
+        at_least = [0] * self.block_size
         for a in accept_lens:
-            at_least[min(a, width - 1)] += 1
+            at_least[a] += 1
+        at_least[width - 1] = sum(at_least[width - 1:])  # none beyond width - 1; a guard, not a count
         for j in range(width - 1, 0, -1):
             at_least[j - 1] += at_least[j]
-        for k in range(1, self.block_size):
-            self.accepted[k] *= self.decay
-            self.tested[k] *= self.decay
-            if k < width:
-                self.tested[k] += at_least[k - 1]
-                self.accepted[k] += at_least[k]
+        w = self.weight
+        for k in range(1, width):
+            self.tested[k] += w * at_least[k - 1]
+            self.accepted[k] += w * at_least[k]
         self._expected = None
 
     def rate(self, k: int) -> float:
-        return (self.accepted[k] + self.prior * self.prior_weight) / (self.tested[k] + self.prior_weight)
+        pseudo = self.prior_weight * self.weight
+        return (self.accepted[k] + self.prior * pseudo) / (self.tested[k] + pseudo)
 
     def expected_tokens(self, width: int) -> float:
         """Mean tokens a step at ``width`` commits, the bonus included."""
@@ -458,14 +466,17 @@ class DraftHealth:
 
     def widths(self, rids: Sequence, batch_width: int) -> list[int]:
         """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
-        live = set(rids)
-        for table in (self.misses, self.fallback_steps):
-            for rid in [r for r in table if r not in live]:
-                del table[rid]
+        if self.misses or self.fallback_steps:
+            live = set(rids)
+            for table in (self.misses, self.fallback_steps):
+                for rid in table.keys() - live:
+                    del table[rid]
+        if not self.fallback_steps or batch_width == 1:
+            return [batch_width] * len(rids)
         out = []
         for rid in rids:
             steps = self.fallback_steps.get(rid)
-            if steps is None or batch_width == 1:
+            if steps is None:
                 out.append(batch_width)
                 continue
             self.fallback_steps[rid] = steps + 1
@@ -478,8 +489,10 @@ class DraftHealth:
             if width == 1:
                 continue  # no draft was judged
             if accepted > 0:
-                self.misses.pop(rid, None)
-                self.fallback_steps.pop(rid, None)
+                if rid in self.misses:
+                    del self.misses[rid]
+                if rid in self.fallback_steps:
+                    del self.fallback_steps[rid]
                 continue
             if rid in self.fallback_steps:
                 continue  # a failed retry: stay, and wait for the next one

@@ -696,6 +696,27 @@ def test_a_settled_choice_is_reconsidered_every_few_steps_not_every_step():
     assert policy.current[4] == 1
 
 
+def test_acceptance_decays_older_steps_by_decay_per_step_across_rescales():
+    """The counts are kept in units that grow a step at a time (no position is touched when its
+    width is not verified): every rate equals the one from counts decayed every step, also after
+    the units are brought back to 1 (every ~260 steps at decay 0.9)."""
+    rng = random.Random(13)
+    decay, acc = 0.9, AcceptanceByPosition(8, decay=0.9)
+    tested, accepted = [0.0] * 8, [0.0] * 8
+    for _ in range(700):
+        width = rng.choice((8, 4, 2))
+        lens = [rng.randrange(width) for _ in range(rng.randrange(1, 5))]
+        acc.update(lens, width)
+        tested, accepted = [t * decay for t in tested], [a * decay for a in accepted]
+        for a in lens:
+            for k in range(1, min(a + 1, width - 1) + 1):
+                tested[k] += 1
+                accepted[k] += k <= a
+    assert acc.weight < 1e12
+    for k in range(1, 8):
+        assert acc.rate(k) == pytest.approx((accepted[k] + 1.0) / (tested[k] + 2.0), rel=1e-9), k
+
+
 def test_acceptance_counts_each_request_drafts_judged_and_accepted():
     """Request by request: drafts 1..a+1 were judged (those below the width), drafts 1..a accepted."""
     rng = random.Random(12)
