@@ -156,13 +156,20 @@ class WidthPolicy:
     costs: the deeper positions' acceptance is only seen there, and without it a workload that
     turns easy would stay narrow; where even every draft after the first accepted could not pay
     for it, a width-2 step measures the first draft instead (:meth:`_deep_width`). A new choice
-    must beat the current one by ``margin / 4``, so near-equal widths do not flip on noise. Once
+    must beat the current one by ``margin / 4``, so near-equal widths do not flip on noise. A
+    bucket's probes (refresh and confirm steps) come at most every ``probe_gap`` steps, which doubles
+    with each probe up to ``MAX_PROBE_GAP`` and starts again from ``refresh_every`` when the held
+    width changes: where the held width keeps winning, a probe only costs. Once
     settled, a bucket's choice is reconsidered every ``decide_every`` steps and at each scheduled
     re-measurement, not every step: on a host-bound pair the policy's own host time is a share of
     the step."""
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
     CONFIRM_LAG = 3  # steps until a step's time reaches the policy (the overlap schedule reports late)
+    # The most steps between a bucket's probes. SmolLM2 on an H200 (session 45, mt-bench): width 8,
+    # within 1.5% of width 16's tokens at about its cost, was probed every 16 steps (4-7% of a level's
+    # steps) and never won; at bs 1-2 a single width-8 call took 0.5-0.9 ms more host time than width 16's.
+    MAX_PROBE_GAP = 256
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
                  margin: float = 0.1, decide_every: int = 8):
@@ -177,6 +184,8 @@ class WidthPolicy:
         self.confirming: dict[int, int] = {}  # bucket -> a width to time before it may replace the held one
         self.confirm_asked: dict[int, int] = {}  # bucket -> the step its last confirm step was asked for
         self.first_wins: dict[int, tuple[int, int]] = {}  # bucket -> (challenger, the sample it won on once)
+        self.probe_gap: dict[int, int] = {}  # bucket -> steps from its last probe to the next (absent: refresh_every)
+        self.last_probe: dict[int, int] = {}  # bucket -> the step of its last refresh or confirm
         self.decide_every = decide_every
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> (best width, the step it is held until)
         self.refreshes = 0
@@ -220,11 +229,19 @@ class WidthPolicy:
             return challenger, "confirm"  # the held width stays settled-free: decide again once it is timed
         # Not sure: the held width is timed beside a challenger's sample first, so decide next step.
         self.settled[bucket(bs)] = (width, self.steps + (self.decide_every if sure else 1))
-        if self.steps % self.refresh_every == 0:
+        if self.steps % self.refresh_every == 0 and self._probe_due(bucket(bs)):
             refresh = self._worth_measuring(bs, width)
             if refresh is not None:
+                self._probed(bucket(bs))
                 return refresh, "refresh"
         return width, "best"
+
+    def _probe_due(self, b: int) -> bool:
+        return self.steps - self.last_probe.get(b, -self.MAX_PROBE_GAP) >= self.probe_gap.get(b, self.refresh_every)
+
+    def _probed(self, b: int) -> None:
+        self.last_probe[b] = self.steps
+        self.probe_gap[b] = min(2 * self.probe_gap.get(b, self.refresh_every), self.MAX_PROBE_GAP)
 
     def _deep_width(self, bs: int) -> int:
         """Full width, unless it could not beat the width held here even if every draft after the
@@ -283,6 +300,8 @@ class WidthPolicy:
             if fresh is None or (won is not None and won == (best, fresh[1])):
                 if self.steps - self.confirm_asked.get(b, -self.refresh_every) <= self.CONFIRM_LAG:
                     return held, False  # its confirm step's time is not in yet
+                if won is None and not self._probe_due(b):
+                    return held, True  # probed again once the bucket's gap has passed
                 return self._confirm(b, best, held)
             seconds, order = fresh
             if not self.costs.timed_after(held, bs, order):
@@ -302,6 +321,8 @@ class WidthPolicy:
                 return self._confirm(b, best, held)
             self.first_wins.pop(b, None)
             self._log_switch(b, held, best, seconds)
+        if self.current.get(b) != best:
+            self.probe_gap.pop(b, None)  # a new held width: what may beat it is probed afresh
         self.current[b] = best
         return best, True
 
@@ -309,6 +330,7 @@ class WidthPolicy:
         """Time ``challenger`` in this step (a ``confirm`` step); the held width stays held."""
         self.confirming[b] = challenger
         self.confirm_asked[b] = self.steps
+        self._probed(b)
         return held, True
 
     def _log_switch(self, b: int, held: int, best: int, fresh: float) -> None:
