@@ -381,15 +381,20 @@ class WidthPolicy:
         """A step whose width was set outside the policy (every request in fallback)."""
         self.reasons[bucket(bs), width, why] += 1
 
-    def fallback_width(self, bs: int) -> int:
-        """For a batch whose every request is in fallback: a plain decode step (width 1) where it
-        measures ``margin`` cheaper than every other width measured here, or is not measured yet;
-        else the policy's choice. On a host-bound pair every width costs about the same, so
-        skipping the draft saves nothing and loses the drafts it would have accepted (SmolLM2
-        mt-bench at c1: 1.87 tokens a step against 2.13)."""
-        one = self.costs.estimate(1, bs)
+    def fallback_width(self, bs: int, fallen_tokens: float = 1.0) -> int:
+        """For a batch whose every request is in fallback: a plain decode step (width 1) where its
+        typical step costs ``margin`` less per token than every other width measured here, a
+        request in fallback committing ``fallen_tokens`` a step when verified with drafts
+        (:attr:`DraftHealth.fallen_tokens`), or where width 1 is not measured yet; else the
+        policy's choice. On a host-bound pair every width costs about the same, so skipping the
+        draft saves nothing and loses the drafts it would have accepted (SmolLM2 mt-bench at c1:
+        1.87 tokens a step against 2.13; session 45, H200: 3-9% of c1's steps were plain, on a
+        width 1 whose least read 12-15% below width 16's, where the requests' retries showed
+        what the drafts would have added). Width 1's median, not its least: its first step after a
+        verify reads low (session 31)."""
+        one = self.costs.typical(1, bs)
         others = [s for w in self.widths if w != 1 and (s := self.costs.estimate(w, bs)) is not None]
-        if one is None or not others or one <= (1 - self.margin) * min(others):
+        if one is None or not others or one * fallen_tokens <= (1 - self.margin) * min(others):
             self.count(bs, 1, "fallback")
             return 1
         return self.choose(bs)
@@ -454,7 +459,7 @@ class CyclingWidths:
     def count(self, bs: int, width: int, why: str) -> None:
         self.used[width] += 1
 
-    def fallback_width(self, bs: int) -> int:
+    def fallback_width(self, bs: int, fallen_tokens: float = 1.0) -> int:
         self.count(bs, 1, "fallback")
         return 1
 
@@ -478,6 +483,8 @@ class DraftHealth:
     the requests in the current batch are remembered: one that leaves and comes back starts healthy.
     """
 
+    FALLEN_RATE = 0.1  # weight of the newest verify in :attr:`fallen_tokens`
+
     def __init__(self, misses: int = 4, retry_every: int = 16):
         if misses < 1 or retry_every < 1:
             raise ValueError("misses and retry_every are at least 1")
@@ -485,6 +492,9 @@ class DraftHealth:
         self.misses: dict = {}  # rid -> verified steps in a row without an accepted draft
         self.fallback_steps: dict = {}  # rid -> steps taken in fallback (absent: healthy)
         self.fallback_requests = 0  # requests that went to fallback, counted once per entry
+        # Tokens a request in fallback commits when verified with drafts (its retries), a running
+        # mean from 1 (drafts that keep failing): what a plain step gives up for the time it saves.
+        self.fallen_tokens = 1.0
 
     def widths(self, rids: Sequence, batch_width: int) -> list[int]:
         """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
@@ -510,6 +520,8 @@ class DraftHealth:
         for rid, width, accepted in zip(rids, widths, accept_lens):
             if width == 1:
                 continue  # no draft was judged
+            if rid in self.fallback_steps:
+                self.fallen_tokens += self.FALLEN_RATE * (1 + accepted - self.fallen_tokens)
             if accepted > 0:
                 if rid in self.misses:
                     del self.misses[rid]
@@ -539,6 +551,7 @@ class ForcedFallback:
         self.seen: set = set()  # requests in the batch that have fallen back at least once
         self.fallback_requests = 0
         self.current = 0
+        self.fallen_tokens = 1.0
 
     def widths(self, rids: Sequence, batch_width: int) -> list[int]:
         self.steps += 1

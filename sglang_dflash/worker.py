@@ -463,7 +463,7 @@ class DFlashWorker(BaseSpecWorker):
                 self.width_policy.count(bs, 1, "fallback")
                 width = 1
             else:
-                width = self.width_policy.fallback_width(bs)
+                width = self.width_policy.fallback_width(bs, self.fallback.fallen_tokens)
             return width, (rids, [width] * len(rids))
         width = self.width_policy.choose(bs)
         return width, (rids, [min(w, width) for w in widths] if self.ragged else [width] * len(rids))

@@ -672,10 +672,35 @@ def test_a_batch_all_in_fallback_skips_drafting_only_where_that_saves_time():
         policy.costs.observe(1, 8, 0.0038)
     assert policy.fallback_width(8) == 16  # a host-bound pair: 5% saved, the drafts' tokens lost
     policy.costs.observe(1, 8, 0.0030)
+    assert policy.fallback_width(8) == 16  # one cheap reading (the first plain step after a verify reads low)
+    for _ in range(3):
+        policy.costs.observe(1, 8, 0.0030)
     assert policy.fallback_width(8) == 1 and policy.fallback_width(64) == 1  # the 8B rig: 25% saved
-    assert policy.choices() == {"1@8": {"fallback": 3}, "1@64": {"fallback": 1}}
+    # ... unless requests in fallback still commit more than 25% more tokens when verified with drafts
+    assert policy.fallback_width(8, fallen_tokens=1.2) == 1 and policy.fallback_width(8, fallen_tokens=1.4) == 16
+    assert policy.choices() == {"1@8": {"fallback": 4}, "1@64": {"fallback": 1}}
     cycling = CyclingWidths((16, 1))
     assert cycling.fallback_width(8) == 1 and cycling.widths_used() == {1: 1}
+
+
+def test_requests_in_fallback_teach_what_their_drafted_steps_commit():
+    """Every verify with drafts of a request in fallback (a retry) moves ``fallen_tokens`` toward
+    1 + its accepted drafts: from 1 (drafts that keep failing) up where retries accept, which keeps a
+    host-bound pair drafting where a plain step saves less than the drafts would add (SmolLM2
+    mt-bench at c1 on an H200, session 45: 3-9% of the steps plain, on a width 1 read 12-15%
+    cheaper than width 16)."""
+    health = DraftHealth(misses=2, retry_every=2)
+    for _ in range(2):
+        health.observe(["a"], [16], [0])
+    assert health.in_fallback() == 1 and health.fallen_tokens == 1.0
+    health.observe(["a"], [1], [0])  # a plain step judges no draft
+    assert health.fallen_tokens == 1.0
+    health.observe(["a"], [16], [0])  # a failed retry
+    assert health.fallen_tokens == 1.0 and health.in_fallback() == 1
+    health.observe(["a"], [16], [3])  # a retry that accepts: 4 tokens, and the request is back
+    assert health.fallen_tokens == pytest.approx(1.3) and health.in_fallback() == 0
+    health.observe(["a"], [16], [5])  # healthy requests teach nothing here
+    assert health.fallen_tokens == pytest.approx(1.3)
 
 
 def test_a_bucket_probes_less_often_while_its_held_width_keeps_winning():

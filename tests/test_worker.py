@@ -896,7 +896,7 @@ def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_verifies_fallba
     assert DFlashWorker.choose_widths(worker, batch, 2) == (1, (["a", "b"], [1, 1]))  # the policy not asked
     assert chosen == [2, 2]
     assert worker.width_policy.widths_used() == {1: 1}  # the policy's own choices went through its choose
-    worker.width_policy.fallback_width = lambda bs: 16  # a host-bound pair: width 1 saves too little
+    worker.width_policy.fallback_width = lambda bs, fallen_tokens=1.0: 16  # a host-bound pair: width 1 saves too little
     for _ in range(3):
         last = DFlashWorker.choose_widths(worker, batch, 2)
     assert last == (16, (["a", "b"], [16, 16])) and chosen == [2, 2, 2, 2]
@@ -1010,7 +1010,7 @@ def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_wid
     worker, batch, _, _, written = whole_step_worker(monkeypatch, "graph", decodes=True)
     worker.fallback, counted = ForcedFallback(), []
     worker.fallback.steps = 2  # the next step is one of the pattern's all-fallback steps
-    worker.width_policy = SimpleNamespace(choose=never, fallback_width=lambda bs: counted.append((bs, 1)) or 1)
+    worker.width_policy = SimpleNamespace(choose=never, fallback_width=lambda bs, fallen_tokens=1.0: counted.append((bs, 1)) or 1)
     batch.reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]
