@@ -1,0 +1,113 @@
+"""One simulated server through levels c1..c64, the width policy and the per-request fallback run
+as the worker runs them (padded verify), against fixed 16 on the same requests.
+
+A host-bound cost model after SmolLM2 on an H200 (sessions 31 and 45): every drafting width costs
+the same, width 1 15% less, a single narrower verify 0.7 ms more, the first verify after plain steps
+1 ms more; 10% noise and one-sided hiccups. Each request's drafts pass through easy and hard
+stretches. Prints adaptive / fixed 16 per level and the steps not at width 16, by rule.
+
+    python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4]
+
+``--code`` imports ``sglang_dflash`` from another checkout (``git worktree add /tmp/old HEAD~3``).
+"""
+
+import argparse
+import random
+import statistics
+import sys
+from collections import Counter
+
+
+class Request:
+    def __init__(self, rng, easy, hard, tokens):
+        self.rng, self.easy, self.hard, self.left = rng, easy, hard, tokens
+        self.p = easy if rng.random() < 0.7 else hard
+
+    def drafts(self):
+        """Drafts the target would accept at full width this step."""
+        if self.rng.random() < 0.05:
+            self.p = self.easy if self.rng.random() < 0.7 else self.hard
+        a = 0
+        while a < 15 and self.rng.random() < self.p:
+            a += 1
+        return a
+
+
+def step_seconds(rng, width, prev, bs):
+    cost = (2.5 + 0.02 * bs) * (0.85 if width == 1 else 1.0)
+    if prev is not None and width != prev:
+        cost += 0.7 if width not in (1, 16) else 0.0
+        cost += 1.0 if prev == 1 else 0.0
+    cost *= 1 + 0.1 * rng.random()
+    if rng.random() < 0.2:
+        cost *= 1 + rng.expovariate(3)
+    return cost / 1000
+
+
+def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12, tokens=256):
+    from sglang_dflash.adaptive import DraftHealth, WidthPolicy
+
+    rng = random.Random(seed)
+    policy, health = (WidthPolicy(16), DraftHealth()) if adaptive else (None, None)
+    prev, per_level, rid = None, {}, 0
+    for conc in levels:
+        out, seconds = 0, 0.0
+        for wave in range(waves):
+            live = {}
+            for i in range(conc):
+                live[rid] = Request(random.Random(hash((seed, conc, wave, i))), easy, hard, tokens)
+                rid += 1
+            while live:
+                rids = list(live)
+                bs = len(rids)
+                width = 16
+                if policy is not None:
+                    widths = health.widths(rids, 16)
+                    if max(widths) > 1:
+                        width = policy.choose(bs)
+                    elif hasattr(health, "fallen_tokens"):
+                        width = policy.fallback_width(bs, health.fallen_tokens)
+                    else:  # before 7ee7025
+                        width = policy.fallback_width(bs)
+                accepted = [min(live[r].drafts(), width - 1) for r in rids]
+                cost = step_seconds(rng, width, prev, bs)
+                prev = width
+                if policy is not None:
+                    health.observe(rids, [width] * bs, accepted)
+                    policy.record(width, bs, accepted, cost)
+                seconds += cost
+                for r, a in zip(rids, accepted):
+                    n = min(a + 1, live[r].left)
+                    live[r].left -= n
+                    out += n
+                    if live[r].left <= 0:
+                        del live[r]
+        per_level[conc] = (out / seconds, Counter(policy.reasons) if policy else None)
+    return per_level
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--code", help="a checkout whose sglang_dflash to import")
+    ap.add_argument("--seeds", type=int, default=4)
+    args = ap.parse_args()
+    if args.code:
+        sys.path.insert(0, args.code)
+    for name, easy, hard in (("gsm8k-like", 0.85, 0.45), ("mt-bench-like", 0.7, 0.2)):
+        rows = {}
+        for seed in range(args.seeds):
+            adaptive, fixed = serve(True, seed, easy, hard), serve(False, seed, easy, hard)
+            before = Counter()
+            for conc, (tok_s, reasons) in adaptive.items():
+                level = reasons - before
+                before = reasons
+                off = Counter({f"{w}:{why}": n for (_, w, why), n in level.items() if w != 16})
+                rows.setdefault(conc, []).append((tok_s / fixed[conc][0], sum(off.values()) / sum(level.values()), off))
+        for conc, runs in rows.items():
+            print(f"{name:14s} c{conc:<3d} adaptive / fixed 16 {statistics.mean(r[0] for r in runs):.3f} "
+                  f"(least {min(r[0] for r in runs):.3f}), not width 16: {statistics.mean(r[1] for r in runs):5.1%} "
+                  f"{dict(runs[0][2].most_common(3))}")
+
+
+if __name__ == "__main__":
+    main()
