@@ -54,10 +54,9 @@ class AcceptanceByPosition:
             self.weight = 1.0
         # Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
         # and accepted in those that accepted at least k: counts from the suffix sums.
-        at_least = [0] * self.block_size
+        at_least = [0] * width
         for a in accept_lens:
-            at_least[a] += 1
-        at_least[width - 1] = sum(at_least[width - 1:])  # none beyond width - 1; a guard, not a count
+            at_least[min(a, width - 1)] += 1
         for j in range(width - 1, 0, -1):
             at_least[j - 1] += at_least[j]
         w = self.weight
