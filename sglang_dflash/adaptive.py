@@ -223,15 +223,16 @@ class WidthPolicy:
         if self.steps % (8 * self.refresh_every) == 0:
             return self._deep_width(bs), "deep_refresh"
         width, sure = self._best(bs)
-        challenger = self.confirming.pop(bucket(bs), None)
+        b = bucket(bs)
+        challenger = self.confirming.pop(b, None)
         if challenger is not None:
             return challenger, "confirm"  # the held width stays settled-free: decide again once it is timed
         # Not sure: the held width is timed beside a challenger's sample first, so decide next step.
-        self.settled[bucket(bs)] = (width, self.steps + (self.decide_every if sure else 1))
-        if self.steps % self.refresh_every == 0 and self._probe_due(bucket(bs)):
+        self.settled[b] = (width, self.steps + (self.decide_every if sure else 1))
+        if self.steps % self.refresh_every == 0 and self._probe_due(b):
             refresh = self._worth_measuring(bs, width)
             if refresh is not None:
-                self._probed(bucket(bs))
+                self._probed(b)
                 return refresh, "refresh"
         return width, "best"
 
@@ -519,15 +520,14 @@ class DraftHealth:
         for rid, width, accepted in zip(rids, widths, accept_lens):
             if width == 1:
                 continue  # no draft was judged
-            if rid in self.fallback_steps:
+            fallen = rid in self.fallback_steps
+            if fallen:
                 self.fallen_tokens += self.FALLEN_RATE * (1 + accepted - self.fallen_tokens)
             if accepted > 0:
-                if rid in self.misses:
-                    del self.misses[rid]
-                if rid in self.fallback_steps:
-                    del self.fallback_steps[rid]
+                self.misses.pop(rid, None)
+                self.fallback_steps.pop(rid, None)
                 continue
-            if rid in self.fallback_steps:
+            if fallen:
                 continue  # a failed retry: stay, and wait for the next one
             self.misses[rid] = self.misses.get(rid, 0) + 1
             if self.misses[rid] >= self.misses_to_fallback:
