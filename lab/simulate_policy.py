@@ -45,6 +45,7 @@ def step_seconds(rng, width, prev, bs):
 
 
 def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12, tokens=256):
+    from sglang_dflash import adaptive as widths_module
     from sglang_dflash.adaptive import DraftHealth, WidthPolicy
 
     rng = random.Random(seed)
@@ -60,20 +61,24 @@ def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12,
             while live:
                 rids = list(live)
                 bs = len(rids)
-                width = 16
-                if policy is not None:
-                    widths = health.widths(rids, 16)
-                    if max(widths) > 1:
+                width, widths = 16, None
+                if policy is not None and hasattr(widths_module, "step_widths"):  # the worker's own calls
+                    width, widths = widths_module.step_widths(policy, health, rids, bs, 16)
+                elif policy is not None:  # a checkout before step_widths
+                    if max(health.widths(rids, 16)) > 1:
                         width = policy.choose(bs)
                     elif hasattr(health, "fallen_tokens"):
                         width = policy.fallback_width(bs, health.fallen_tokens)
                     else:  # before 7ee7025
                         width = policy.fallback_width(bs)
+                    widths = [width] * bs
                 accepted = [min(live[r].drafts(), width - 1) for r in rids]
                 cost = step_seconds(rng, width, prev, bs)
                 prev = width
-                if policy is not None:
-                    health.observe(rids, [width] * bs, accepted)
+                if policy is not None and hasattr(widths_module, "learn_step"):
+                    widths_module.learn_step(policy, health, width, bs, rids, widths, accepted, cost)
+                elif policy is not None:
+                    health.observe(rids, widths, accepted)
                     policy.record(width, bs, accepted, cost)
                 seconds += cost
                 for r, a in zip(rids, accepted):

@@ -577,6 +577,39 @@ def make_fallback(mode: str):
     return {"on": DraftHealth, "force": ForcedFallback}.get(mode, lambda: None)()
 
 
+def step_widths(policy, fallback, rids: Sequence, bs: int, block_size: int,
+                ragged: bool = False) -> tuple[int, Optional[list[int]]]:
+    """A decode step's verify width and, with a fallback, the width each request is verified at
+    (the worker's order of calls, which the simulation and the tests replay). When every request
+    is in fallback the step is plain (width 1) unless width 1 saves too little there
+    (:meth:`WidthPolicy.fallback_width`). A ragged verify gives a request in fallback a lane of width
+    1; a padded one checks every request at the batch's width, so each keeps what it accepts
+    there: masking would only throw tokens away (7% of the accept length on SmolLM2 gsm8k)."""
+    if fallback is None:
+        return policy.choose(bs), None
+    widths = fallback.widths(rids, block_size)
+    if max(widths, default=1) == 1:
+        if ragged:
+            policy.count(bs, 1, "fallback")
+            width = 1
+        else:
+            width = policy.fallback_width(bs, fallback.fallen_tokens)
+        return width, [width] * len(rids)
+    width = policy.choose(bs)
+    return width, ([min(w, width) for w in widths] if ragged else [width] * len(rids))
+
+
+def learn_step(policy, fallback, width: int, bs: int, rids: Sequence, widths: Optional[Sequence[int]],
+               accept_lens: Sequence[int], seconds: Optional[float]) -> None:
+    """What a step of :func:`step_widths` teaches: the fallback each request's accept length, the
+    policy the batch's acceptance by position (from the requests verified at the batch's width)
+    and, when it was timed, the step's cost."""
+    if widths is not None:
+        fallback.observe(rids, widths, accept_lens)
+        accept_lens = [a for a, w in zip(accept_lens, widths) if w == width]
+    policy.record(width, bs, accept_lens, seconds)
+
+
 def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):
     """``throughput`` (:class:`WidthPolicy`), ``cycle`` (:class:`CyclingWidths`, a new width every
     step) or ``cycle:N`` (each width for N steps in turn)."""

@@ -61,7 +61,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from . import compat
-from .adaptive import make_fallback, make_width_policy
+from .adaptive import learn_step, make_fallback, make_width_policy, step_widths
 from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
                      draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
                      widths_by_default, width_policy_kind)
@@ -448,25 +448,12 @@ class DFlashWorker(BaseSpecWorker):
 
     def choose_widths(self, batch, bs: int) -> tuple[int, Optional[list]]:
         """The batch's verify width and, with the per-request fallback, ``(rids, widths)``: the
-        width each request is verified at. When every request is in fallback the step is a plain
-        decode (width 1), unless width 1 saves too little there (a host-bound pair). A ragged
-        verify gives a request in fallback a lane of width 1 (on a retry, the batch's); a padded
-        one checks every request at the batch's width whatever it is, so each keeps what it
-        accepts there: masking would only throw tokens away (7% of the accept length on SmolLM2
-        gsm8k)."""
-        if self.fallback is None:
-            return (self.width_policy.choose(bs) if self.width_policy is not None else self.block_size), None
-        rids = [req.rid for req in batch.reqs]
-        widths = self.fallback.widths(rids, self.block_size)
-        if max(widths, default=1) == 1:
-            if self.ragged:
-                self.width_policy.count(bs, 1, "fallback")
-                width = 1
-            else:
-                width = self.width_policy.fallback_width(bs, self.fallback.fallen_tokens)
-            return width, (rids, [width] * len(rids))
-        width = self.width_policy.choose(bs)
-        return width, (rids, [min(w, width) for w in widths] if self.ragged else [width] * len(rids))
+        width each request is verified at (:func:`~sglang_dflash.adaptive.step_widths`)."""
+        if self.width_policy is None:
+            return self.block_size, None
+        rids = [req.rid for req in batch.reqs] if self.fallback is not None else ()
+        width, widths = step_widths(self.width_policy, self.fallback, rids, bs, self.block_size, self.ragged)
+        return width, (None if widths is None else (rids, widths))
 
     def time_step(self, width: int, bs: int, request_widths: Optional[tuple] = None) -> None:
         """A step's cost is the GPU time from the previous decode step's end to its own: what it
@@ -488,13 +475,8 @@ class DFlashWorker(BaseSpecWorker):
         seconds = started.elapsed_time(ended) / 1000 if started is not None and ended.query() else None
         if started is not None:  # the step before this one was its last reader
             self.spare_events.append(started)
-        accepted = num_correct_drafts_per_req
-        if request_widths is not None:
-            rids, widths = request_widths
-            self.fallback.observe(rids, widths, accepted)
-            # the batch's acceptance by position: from the requests verified at the batch's width
-            accepted = [a for a, w in zip(accepted, widths) if w == width]
-        self.width_policy.record(width, bs, accepted, seconds)
+        rids, widths = request_widths if request_widths is not None else ((), None)
+        learn_step(self.width_policy, self.fallback, width, bs, rids, widths, num_correct_drafts_per_req, seconds)
         steps = self.width_policy.steps
         if steps % WIDTHS_LOG_EVERY == 0 and steps != self.widths_logged_at:
             self.widths_logged_at = steps

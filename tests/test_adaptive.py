@@ -9,7 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_dflash.adaptive import AcceptanceByPosition, CyclingWidths, DraftHealth, WidthPolicy, bucket, candidate_widths
+from sglang_dflash.adaptive import (
+    AcceptanceByPosition,
+    CyclingWidths,
+    DraftHealth,
+    WidthPolicy,
+    bucket,
+    candidate_widths,
+    learn_step,
+    step_widths,
+)
 from sglang_dflash.reference import (
     RequestParams,
     TinyTarget,
@@ -704,11 +713,10 @@ def test_requests_in_fallback_teach_what_their_drafted_steps_commit():
 
 
 def serve_one_at_a_time(policy, health, seed, easy=0.7, hard=0.2, requests=12, tokens=256):
-    """Tokens per second of requests served one at a time as the worker serves them (``policy``
-    None: fixed 16): the fallback's widths, then the policy's or, with every request in fallback,
-    ``fallback_width``. Each request's drafts pass through easy and hard stretches; a step costs
-    the same at every drafting width and 15% less at width 1, and the first verify after plain
-    steps 1 ms more (session 31), noisy by 10%."""
+    """Tokens per second of requests served one at a time through the worker's own calls
+    (``step_widths``, ``learn_step``; ``policy`` None: fixed 16). Each request's drafts pass
+    through easy and hard stretches; a step costs the same at every drafting width and 15% less
+    at width 1, and the first verify after plain steps 1 ms more (session 31), noisy by 10%."""
     rng, tokens_out, seconds, prev = random.Random(seed), 0, 0.0, None
     for i in range(requests):
         p, left = (easy if rng.random() < 0.7 else hard), tokens
@@ -718,16 +726,12 @@ def serve_one_at_a_time(policy, health, seed, easy=0.7, hard=0.2, requests=12, t
             runs = 0
             while runs < 15 and rng.random() < p:
                 runs += 1
-            width = 16
-            if policy is not None:
-                widths = health.widths([i], 16)
-                width = policy.fallback_width(1, health.fallen_tokens) if max(widths) == 1 else policy.choose(1)
+            width, widths = step_widths(policy, health, [i], 1, 16) if policy is not None else (16, None)
             cost = 2.5e-3 * (0.85 if width == 1 else 1.0) + (1e-3 if prev == 1 and width != 1 else 0.0)
             cost *= 1 + 0.1 * rng.random()
             prev, accepted = width, min(runs, width - 1)
             if policy is not None:
-                health.observe([i], [width], [accepted])
-                policy.record(width, 1, [accepted], cost)
+                learn_step(policy, health, width, 1, [i], widths, [accepted], cost)
             n = min(accepted + 1, left)
             left, tokens_out, seconds = left - n, tokens_out + n, seconds + cost
     return tokens_out / seconds

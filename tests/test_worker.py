@@ -358,6 +358,7 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
+    worker.fallback = None
     worker.spare_events = []
     ends = [Event(5.0), Event(17.0), Event(20.0, done=False)]
     worker.steps_in_flight = deque([(8, 2, None, ends[0], None), (8, 2, ends[0], ends[1], None),
