@@ -6,7 +6,10 @@ the same, width 1 15% less, a single narrower verify 0.7 ms more, the first veri
 1 ms more; 10% noise and one-sided hiccups. Each request's drafts pass through easy and hard
 stretches. Prints adaptive / fixed 16 per level and the steps not at width 16, by rule.
 
-    python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4]
+    python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4] [--host]
+
+``--host`` prints instead the policy's own host time a step (``step_widths`` and ``learn_step``)
+at bs 1-64, on this machine's CPU.
 
 ``--code`` imports ``sglang_dflash`` from another checkout (``git worktree add /tmp/old HEAD~3``).
 """
@@ -91,13 +94,43 @@ def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12,
     return per_level
 
 
+def host_time(batch_sizes=(1, 4, 16, 64), steps=20000, warm=2000):
+    """Microseconds a step of the policy's own calls take, as the worker makes them: the widths
+    before the step, what it taught after it (requests leaving now and then)."""
+    import time
+
+    from sglang_dflash.adaptive import DraftHealth, WidthPolicy, learn_step, step_widths
+
+    for bs in batch_sizes:
+        policy, health, rng = WidthPolicy(16), DraftHealth(), random.Random(0)
+        rids = [f"req-{i:032x}" for i in range(bs)]
+        before = after = 0.0
+        for step in range(steps):
+            t0 = time.perf_counter()
+            width, widths = step_widths(policy, health, rids, bs, 16)
+            t1 = time.perf_counter()
+            accepted = [min(width - 1, int(rng.expovariate(0.5))) for _ in rids]
+            t2 = time.perf_counter()
+            learn_step(policy, health, width, bs, rids, widths, accepted, 0.003 * (1 + 0.1 * rng.random()))
+            t3 = time.perf_counter()
+            if step >= warm:
+                before, after = before + t1 - t0, after + t3 - t2
+            if rng.random() < 0.01:
+                rids[rng.randrange(bs)] = f"req-{rng.getrandbits(128):032x}"
+        n = steps - warm
+        print(f"bs {bs:3d}: step_widths {1e6 * before / n:5.1f} us, learn_step {1e6 * after / n:5.1f} us a step")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--code", help="a checkout whose sglang_dflash to import")
     ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--host", action="store_true", help="print the policy's host time a step instead")
     args = ap.parse_args()
     if args.code:
         sys.path.insert(0, args.code)
+    if args.host:
+        return host_time()
     for name, easy, hard in (("gsm8k-like", 0.85, 0.45), ("mt-bench-like", 0.7, 0.2)):
         rows = {}
         for seed in range(args.seeds):
