@@ -53,16 +53,16 @@ class AcceptanceByPosition:
             self.tested = [t / self.weight for t in self.tested]
             self.weight = 1.0
         # Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
-        # and accepted in those that accepted at least k: counts from the suffix sums.
-        at_least = [0] * width
+        # and accepted in those that accepted at least k: counts from the suffix sums of the
+        # accept lengths' histogram.
+        top, exactly = width - 1, [0] * width
         for a in accept_lens:
-            at_least[min(a, width - 1)] += 1
-        for j in range(width - 1, 0, -1):
-            at_least[j - 1] += at_least[j]
-        w = self.weight
-        for k in range(1, width):
-            self.tested[k] += w * at_least[k - 1]
-            self.accepted[k] += w * at_least[k]
+            exactly[a if a < top else top] += 1
+        w, at_least = self.weight, 0
+        for k in range(width - 1, 0, -1):
+            at_least += exactly[k]
+            self.accepted[k] += w * at_least
+            self.tested[k] += w * (at_least + exactly[k - 1])
         self._expected = None
 
     def rate(self, k: int) -> float:
@@ -517,22 +517,26 @@ class DraftHealth:
 
     def observe(self, rids: Sequence, widths: Sequence[int], accept_lens: Sequence[int]) -> None:
         """One verified step: each request's width and its accepted drafts (the bonus excluded)."""
+        misses, fallback_steps = self.misses, self.fallback_steps  # locals: a loop over the batch each step
         for rid, width, accepted in zip(rids, widths, accept_lens):
             if width == 1:
                 continue  # no draft was judged
-            fallen = rid in self.fallback_steps
+            fallen = rid in fallback_steps
             if fallen:
                 self.fallen_tokens += self.FALLEN_RATE * (1 + accepted - self.fallen_tokens)
             if accepted > 0:
-                self.misses.pop(rid, None)
-                self.fallback_steps.pop(rid, None)
+                misses.pop(rid, None)
+                if fallen:
+                    del fallback_steps[rid]
                 continue
             if fallen:
                 continue  # a failed retry: stay, and wait for the next one
-            self.misses[rid] = self.misses.get(rid, 0) + 1
-            if self.misses[rid] >= self.misses_to_fallback:
-                del self.misses[rid]
-                self.fallback_steps[rid] = 0
+            missed = misses.get(rid, 0) + 1
+            if missed < self.misses_to_fallback:
+                misses[rid] = missed
+            else:
+                misses.pop(rid, None)
+                fallback_steps[rid] = 0
                 self.fallback_requests += 1
 
     def in_fallback(self) -> int:
