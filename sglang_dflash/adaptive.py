@@ -610,7 +610,8 @@ def learn_step(policy, fallback, width: int, bs: int, rids: Sequence, widths: Op
     and, when it was timed, the step's cost."""
     if widths is not None:
         fallback.observe(rids, widths, accept_lens)
-        accept_lens = [a for a, w in zip(accept_lens, widths) if w == width]
+        if widths.count(width) != len(widths):  # a padded verify checks all at the batch's width
+            accept_lens = [a for a, w in zip(accept_lens, widths) if w == width]
     policy.record(width, bs, accept_lens, seconds)
 
 
