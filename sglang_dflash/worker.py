@@ -70,7 +70,7 @@ from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
 from .host_pauses import StepStalls, process_pauses
-from .ops import accept_block, prepare_block
+from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import HalfVerifyLogits, OutputCounts, argmax_only, to_device_async
 
@@ -325,6 +325,8 @@ class DFlashWorker(BaseSpecWorker):
             self._fix_the_block("needs decode CUDA graphs with the fa3 backend")
         if self.width_policy is not None and not self.ragged:  # ragged: the target's one runner serves every width
             self._build_width_pairs(capture)
+        # Every width's accept kernel before serving: a width first chosen minutes in must not compile then.
+        load_accept_block(self.widths, self.device)
 
     def _build_width_pairs(self, capture: bool) -> None:
         """A target backend and verify graphs per narrower width. Without graphs FA3 cannot verify

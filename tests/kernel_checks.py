@@ -7,7 +7,8 @@ import torch
 from conftest import draft_config_dict
 
 from sglang_dflash.config import DFlashDraftConfig
-from sglang_dflash.ops import accept_block, norm_rope_split, prepare_block
+from sglang_dflash.adaptive import candidate_widths
+from sglang_dflash.ops import accept_block, load_accept_block, norm_rope_split, prepare_block
 from sglang_dflash.reference import ReferenceDraft
 from sglang_dflash.reference import accept_block as ref_accept
 
@@ -45,6 +46,26 @@ def check_block_kernels(device: str) -> None:
             assert blk[r].tolist() == [int(bonus_in[r])] + [7] * (B - 1)
             assert pos[r].tolist() == list(range(int(lens[r]), int(lens[r]) + B))
             assert loc[r].tolist() == req_to_token[slots[r], lens[r]:lens[r] + B].tolist()
+
+
+def check_accept_block_at_every_verify_width(device: str) -> None:
+    """load_accept_block builds every verify width's kernel, width 1 (a plain step) included, and
+    each then accepts as reference.accept_block does."""
+    widths = candidate_widths(16)
+    load_accept_block(widths, device)
+    g = torch.Generator().manual_seed(1)
+    for width in widths:
+        bs = 5
+        cand, tgt = (torch.randint(0, 2, (bs, width), generator=g) for _ in range(2))
+        pre = torch.randint(0, 100, (bs,), generator=g)
+        outs = [torch.empty(bs, dtype=torch.int32, device=device), torch.empty(bs, dtype=torch.int32, device=device),
+                torch.empty(bs, dtype=torch.int64, device=device), torch.empty((bs, width), dtype=torch.int64, device=device),
+                torch.empty(bs, dtype=torch.int64, device=device)]
+        accept_block(cand.to(device), tgt.to(device), pre.to(device), *outs)
+        ref = ref_accept(cand, tgt)
+        assert outs[0].cpu().tolist() == ref.accept_len.tolist()
+        assert outs[3].cpu().tolist() == ref.out_tokens.tolist()
+        assert (outs[4].cpu() == pre + ref.commit_len).all()
 
 
 @torch.no_grad()

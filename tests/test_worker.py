@@ -452,6 +452,38 @@ def test_where_adaptive_width_cannot_serve_the_default_fixes_the_block_and_a_nam
     assert DFlashWorker._adaptive_width_unserved(worker, SimpleNamespace()) is None
 
 
+@pytest.mark.parametrize("capture, fa3, widths", [
+    (True, True, (16, 8, 4, 2, 1)),  # every width served: each one's accept kernel built
+    (False, True, (16,)),  # fa3 without decode graphs fixes the block: its width alone
+])
+def test_the_accept_kernel_of_every_width_served_is_built_with_the_cuda_graphs(monkeypatch, capture, fa3, widths):
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.adaptive import WidthPolicy
+    from sglang_dflash.worker import DFlashWorker
+
+    built = []
+    monkeypatch.setattr(worker_mod, "load_accept_block", lambda ws, device: built.append(tuple(ws)))
+    monkeypatch.setattr(worker_mod, "GreedyDraftHead", lambda *a, **k: SimpleNamespace(rows_read=None, capture_hook=None))
+    monkeypatch.setattr(worker_mod, "draft_weights_fp8", lambda model: False)
+    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=1, tp_rank=0))
+    decode = SimpleNamespace(bs=[1, 2], backend="full" if capture else worker_mod.Backend.DISABLED)
+    monkeypatch.setattr(worker_mod, "get_exec", lambda: SimpleNamespace(
+        graph=SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=decode))))
+    monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
+    backend = type("FlashAttentionBackend" if fa3 else "TritonAttnBackend", (), {})()
+    worker = object.__new__(DFlashWorker)
+    worker.block_size, worker.widths, worker.ragged, worker.device = 16, (16, 8, 4, 2, 1), False, "cpu"
+    worker.width_policy = WidthPolicy(16, worker.widths)
+    worker.model_runner = SimpleNamespace(model=SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(4, 2))),
+                                          model_config=SimpleNamespace(vocab_size=4), attn_backend=backend)
+    worker.draft_model_runner = SimpleNamespace(capture_tail_hooks=[])
+    worker.draft_model = None
+    worker._draft_worker = SimpleNamespace(init_cuda_graphs=lambda capture_decode_cuda_graph: None)
+    worker._build_width_pairs = lambda capture: None
+    DFlashWorker.init_cuda_graphs(worker)
+    assert built == [widths] and worker.widths == widths
+
+
 def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     from collections import deque
 

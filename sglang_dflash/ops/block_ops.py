@@ -103,3 +103,17 @@ def accept_block(
         candidates, target_tokens, prefix_lens, accept_len, commit_len, bonus, out_tokens, new_seq_lens,
         BLOCK=B, BLOCK_P2=triton.next_power_of_2(B),
     )
+
+
+def load_accept_block(widths, device, seq_dtype: torch.dtype = torch.int64) -> None:
+    """Build and load :func:`accept_block` for every verify width now, at start-up. Its width is a
+    compile-time constant and it runs outside CUDA graphs, so a width first chosen mid-serving
+    would stall the engine on Triton's compiler and load the kernel's module only then, outside
+    torch's allocator, on a GPU the KV pool has filled (SGLang warns of both after serving starts).
+    The buffers take the dtypes of the decode step's (:class:`~sglang_dflash.draft.StepBuffers`)."""
+    for width in widths:
+        candidates = torch.zeros((1, width), dtype=torch.int64, device=device)
+        prefix_lens = torch.zeros(1, dtype=seq_dtype, device=device)
+        lengths = [torch.empty(1, dtype=torch.int32, device=device) for _ in range(2)]
+        accept_block(candidates, candidates, prefix_lens, *lengths, torch.empty(1, dtype=torch.int64, device=device),
+                     torch.empty_like(candidates), torch.empty_like(prefix_lens))

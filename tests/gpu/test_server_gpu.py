@@ -256,6 +256,7 @@ def test_triton_kernels_match_reference():
     import kernel_checks
 
     kernel_checks.check_block_kernels("cuda")
+    kernel_checks.check_accept_block_at_every_verify_width("cuda")
     kernel_checks.check_context_kv("cuda")
     kernel_checks.check_block_attention("cuda")
     kernel_checks.check_worker_steps_follow_plain_decoding("cuda")
