@@ -29,7 +29,7 @@ def candidate_widths(block_size: int) -> tuple[int, ...]:
 
 def bucket(bs: int) -> int:
     """Batch sizes grouped by the next power of two (as CUDA graphs are captured)."""
-    return 1 << max(0, bs - 1).bit_length()
+    return 1 << (bs - 1).bit_length() if bs > 1 else 1
 
 
 class AcceptanceByPosition:
@@ -43,29 +43,42 @@ class AcceptanceByPosition:
         self.weight = 1.0
         self.accepted = [0.0] * block_size  # index k: draft k (1-based; 0 unused)
         self.tested = [0.0] * block_size
+        # width -> the accept lengths' weighted histogram since the last fold: a step adds a count
+        # per request, and the counts by position are summed only when a rate is read (every few
+        # steps, where the policy decides), not in every step's host time.
+        self.pending: dict[int, list[float]] = {}
         self._expected: Optional[list[float]] = None  # by width, until the next update
 
     def update(self, accept_lens: Sequence[int], width: int) -> None:
         """One step's accepted-draft counts (bonus excluded), one per request, at ``width``."""
         self.weight /= self.decay
         if self.weight > 1e12:  # back to 1 now and then, far inside a float's range and precision
+            self._fold()
             self.accepted = [a / self.weight for a in self.accepted]
             self.tested = [t / self.weight for t in self.tested]
             self.weight = 1.0
-        # Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
-        # and accepted in those that accepted at least k: counts from the suffix sums of the
-        # accept lengths' histogram.
-        top, exactly = width - 1, [0] * width
+        histogram = self.pending.get(width)
+        if histogram is None:
+            histogram = self.pending[width] = [0.0] * width
+        top, w = width - 1, self.weight
         for a in accept_lens:
-            exactly[a if a < top else top] += 1
-        w, at_least = self.weight, 0
-        for k in range(width - 1, 0, -1):
-            at_least += exactly[k]
-            self.accepted[k] += w * at_least
-            self.tested[k] += w * (at_least + exactly[k - 1])
+            histogram[a if a < top else top] += w
         self._expected = None
 
+    def _fold(self) -> None:
+        """Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
+        and accepted in those that accepted at least k: the suffix sums of each width's histogram."""
+        for width, exactly in self.pending.items():
+            at_least = 0.0
+            for k in range(width - 1, 0, -1):
+                at_least += exactly[k]
+                self.accepted[k] += at_least
+                self.tested[k] += at_least + exactly[k - 1]
+        self.pending.clear()
+
     def rate(self, k: int) -> float:
+        if self.pending:
+            self._fold()
         pseudo = self.prior_weight * self.weight
         return (self.accepted[k] + self.prior * pseudo) / (self.tested[k] + pseudo)
 
@@ -92,20 +105,30 @@ class StepCosts:
         self.samples: dict[tuple[int, int], deque] = {}  # (order, the policy's step, seconds), the last `window`
         self.seconds: dict[tuple[int, int], float] = {}  # each key's estimate, kept as samples arrive
         self.least_ever: dict[tuple[int, int], float] = {}  # what bounds the other keys
-        self.seen: Counter = Counter()
+        self.seen: set = set()  # keys whose first step was left out
         self.window = window
         self.now = 0  # the policy's step count, set by the policy
         self.order = 0  # samples observed so far, of every key: which of two was timed first
 
     def observe(self, width: int, bs: int, seconds: float) -> None:
         key = (width, bucket(bs))
-        self.seen[key] += 1
-        if self.seen[key] > 1:
-            self.order += 1
-            samples = self.samples.setdefault(key, deque(maxlen=self.window))
-            samples.append((self.order, self.now, seconds))
+        samples = self.samples.get(key)
+        if samples is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return
+            samples = self.samples[key] = deque(maxlen=self.window)
+        self.order += 1
+        # The least of the window kept as samples arrive: scanned again only when it leaves.
+        leaving = samples[0][2] if len(samples) == self.window else None
+        samples.append((self.order, self.now, seconds))
+        least = self.seconds.get(key)
+        if least is None or seconds <= least:
+            self.seconds[key] = seconds
+        elif leaving == least:
             self.seconds[key] = min(s for _, _, s in samples)
-            self.least_ever[key] = min(seconds, self.least_ever.get(key, seconds))
+        if seconds < self.least_ever.get(key, float("inf")):
+            self.least_ever[key] = seconds
 
     def count(self, width: int, bs: int) -> int:
         return len(self.samples.get((width, bucket(bs)), ()))
@@ -217,12 +240,13 @@ class WidthPolicy:
         return width
 
     def _decide(self, bs: int) -> tuple[int, str]:
-        width = self._first_try(bs)
+        measured = self._measured(bs)
+        width = self._first_try(bs, measured)
         if width is not None:
             return width, "first_try"
         if self.steps % (8 * self.refresh_every) == 0:
             return self._deep_width(bs), "deep_refresh"
-        width, sure = self._best(bs)
+        width, sure = self._best(bs, measured)
         b = bucket(bs)
         challenger = self.confirming.pop(b, None)
         if challenger is not None:
@@ -262,17 +286,16 @@ class WidthPolicy:
         adds time, so a width seen once or twice may just have been unlucky."""
         return [w for w in self.widths if self.costs.count(w, bs) >= self.SURE_AFTER]
 
-    def _first_try(self, bs: int) -> Optional[int]:
-        """An unmeasured width that could beat every measured one at this bucket: the unbounded
+    def _first_try(self, bs: int, measured: list[int]) -> Optional[int]:
+        """An unmeasured width that could beat every ``measured`` one at this bucket: the unbounded
         first (full width, then width 1: together they bound the rest), then the most promising."""
-        measured = self._measured(bs)
         best = max((self.throughput(w, bs) for w in measured), default=0.0)
         untried = [w for w in self.widths if w not in measured and self.best_possible(w, bs) > best]
         if not untried:
             return None
         return min(untried, key=lambda w: (-self.best_possible(w, bs), w != max(self.widths), w != 1))
 
-    def _best(self, bs: int) -> tuple[int, bool]:
+    def _best(self, bs: int, measured: list[int]) -> tuple[int, bool]:
         """The measured width with the most expected tokens per second, and whether that is
         settled. Another than the width held (full width before a bucket's first choice) replaces
         it only on a sample of its own taken in the last ``refresh_every`` steps (a ``confirm``
@@ -287,7 +310,7 @@ class WidthPolicy:
         (session 43, H200: width 8 held for 30-47% of a level's steps after single readings such
         as 16 at 5.2 ms against 8 at 4.1, where steady runs of each cost the same)."""
         b = bucket(bs)
-        best = max(self._measured(bs), key=lambda w: self.throughput(w, bs))
+        best = max(measured, key=lambda w: self.throughput(w, bs))
         # A bucket's first choice is a switch from full width: a narrower width read cheapest on its
         # few first tries, where every width costs the same, was otherwise held until full width
         # won a confirm (session 44, H200, SmolLM2 mt-bench: width 8 for 16-22% of the first level).
@@ -491,6 +514,7 @@ class DraftHealth:
         self.misses_to_fallback, self.retry_every = misses, retry_every
         self.misses: dict = {}  # rid -> verified steps in a row without an accepted draft
         self.fallback_steps: dict = {}  # rid -> steps taken in fallback (absent: healthy)
+        self.pruned_for: Optional[list] = None  # the batch whose departed requests left the tables last
         self.fallback_requests = 0  # requests that went to fallback, counted once per entry
         # Tokens a request in fallback commits when verified with drafts (its retries), a running
         # mean from 1 (drafts that keep failing): what a plain step gives up for the time it saves.
@@ -498,11 +522,13 @@ class DraftHealth:
 
     def widths(self, rids: Sequence, batch_width: int) -> list[int]:
         """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
-        if self.misses or self.fallback_steps:
+        # Departed requests leave the tables; nothing to do while the batch and the tables stand.
+        if (self.misses or self.fallback_steps) and rids != self.pruned_for:
             live = set(rids)
             for table in (self.misses, self.fallback_steps):
                 for rid in table.keys() - live:
                     del table[rid]
+            self.pruned_for = list(rids)
         if not self.fallback_steps or batch_width == 1:
             return [batch_width] * len(rids)
         out = []
@@ -532,12 +558,15 @@ class DraftHealth:
             if fallen:
                 continue  # a failed retry: stay, and wait for the next one
             missed = misses.get(rid, 0) + 1
+            if missed == 1:
+                self.pruned_for = None  # a new entry: the next batch is checked for departures again
             if missed < self.misses_to_fallback:
                 misses[rid] = missed
             else:
                 misses.pop(rid, None)
                 fallback_steps[rid] = 0
                 self.fallback_requests += 1
+                self.pruned_for = None
 
     def in_fallback(self) -> int:
         return len(self.fallback_steps)

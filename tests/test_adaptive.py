@@ -595,6 +595,40 @@ def test_draft_health_forgets_requests_that_left_and_follows_a_narrower_batch_wi
         DraftHealth(misses=0)
 
 
+def test_draft_health_holds_only_the_batchs_requests_when_accept_lengths_arrive_a_step_late():
+    """Each step's widths leave no departed request in the tables, though the overlap schedule
+    reports a step's accept lengths only after the next batch's widths were chosen."""
+    rng = random.Random(3)
+    health = DraftHealth(misses=2, retry_every=4)
+    batch, next_id, late = [], 0, None
+    for _ in range(3000):
+        batch = [rid for rid in batch if rng.random() > 0.05]  # some finish
+        while len(batch) < 6 and rng.random() < 0.5:
+            batch.append(next_id)
+            next_id += 1
+        widths = health.widths(batch, 8)
+        assert set(health.misses) <= set(batch) and set(health.fallback_steps) <= set(batch)
+        if late is not None:  # the step before reports now
+            health.observe(*late)
+        late = (list(batch), widths, [rng.choice((0, 0, 1, 3)) for _ in batch])
+    assert health.fallback_requests > 50
+
+
+def test_step_costs_keep_the_least_of_each_windows_samples():
+    from sglang_dflash.adaptive import StepCosts
+
+    rng = random.Random(5)
+    costs, kept = StepCosts(window=8), {}
+    for _ in range(5000):
+        width, bs = rng.choice((16, 8, 1)), rng.choice((1, 3, 4, 9))
+        seconds = round(rng.uniform(1, 3), 1) / 1000  # ties too
+        costs.observe(width, bs, seconds)
+        history = kept.setdefault((width, bucket(bs)), [])
+        history.append(seconds)
+        if len(history) > 1:  # a key's first step is left out
+            assert costs.estimate(width, bs) == min(history[1:][-8:])
+
+
 @torch.no_grad()
 def test_a_ragged_block_accepts_what_each_request_would_accept_at_its_own_width():
     """Lanes packed per request, the target's choices scattered back, the unverified candidates
@@ -766,7 +800,7 @@ def test_a_bucket_probes_less_often_while_its_held_width_keeps_winning():
     assert statistics.mean(shares) <= 0.02, shares
     assert policy.probe_gap[2] == WidthPolicy.MAX_PROBE_GAP
     del policy.current[2]  # the bucket takes a held width anew: what may beat it is probed afresh
-    policy._best(2)
+    policy._best(2, policy._measured(2))
     assert policy.current[2] == 16 and 2 not in policy.probe_gap
 
 
@@ -780,7 +814,7 @@ def test_a_settled_choice_is_reconsidered_every_few_steps_not_every_step():
     assert policy.current[4] == 16
     decided = []
     best = policy._best
-    policy._best = lambda bs: decided.append(policy.steps) or best(bs)
+    policy._best = lambda bs, measured: decided.append(policy.steps) or best(bs, measured)
     run_policy(policy, 4, 0.9, cost["fast_narrow"], 160, random.Random(10))
     assert len(decided) <= 160 // 8 + 160 // 16 and decided[-1] >= policy.steps - 8
     policy.acceptance = type(policy.acceptance)(16)  # drafts stop being accepted: the choice must follow
@@ -822,4 +856,5 @@ def test_acceptance_counts_each_request_drafts_judged_and_accepted():
             for k in range(1, min(a + 1, width - 1) + 1):
                 tested[k] += 1
                 accepted[k] += k <= a
+    acc.rate(1)  # the counts by position are summed once a rate is read
     assert acc.tested == tested and acc.accepted == accepted
