@@ -13,28 +13,33 @@ from sglang_dflash.reference import ReferenceDraft
 from sglang_dflash.reference import accept_block as ref_accept
 
 
+def check_accept(cand: torch.Tensor, tgt: torch.Tensor, pre: torch.Tensor, device: str) -> None:
+    """accept_block on ``device`` against reference.accept_block, for one block of candidates."""
+    bs, B = cand.shape
+    outs = [torch.empty(bs, dtype=torch.int32, device=device), torch.empty(bs, dtype=torch.int32, device=device),
+            torch.empty(bs, dtype=torch.int64, device=device), torch.empty((bs, B), dtype=torch.int64, device=device),
+            torch.empty(bs, dtype=torch.int64, device=device)]
+    accept_block(cand.to(device), tgt.to(device), pre.to(device), *outs)
+    accept_len, _, bonus, out_tokens, new_lens = (t.cpu() for t in outs)
+    ref = ref_accept(cand, tgt)
+    assert accept_len.tolist() == ref.accept_len.tolist()
+    assert bonus.tolist() == ref.bonus.tolist()
+    assert (new_lens == pre + ref.commit_len).all()
+    # Every position holds a valid token (logprobs are gathered at all of them); the first
+    # commit_len are the accepted drafts, then the bonus.
+    assert out_tokens.tolist() == ref.out_tokens.tolist()
+    for r in range(bs):
+        n = int(ref.commit_len[r])
+        assert out_tokens[r, :n].tolist() == cand[r, 1:n].tolist() + [int(ref.bonus[r])]
+
+
 def check_block_kernels(device: str) -> None:
     """prepare_block and accept_block against reference.accept_block and the request table."""
     g = torch.Generator().manual_seed(0)
     for B in (4, 8, 16):
         bs = 9
         cand, tgt = (torch.randint(0, 3, (bs, B), generator=g) for _ in range(2))
-        pre = torch.randint(0, 100, (bs,), generator=g)
-        outs = [torch.empty(bs, dtype=torch.int32, device=device), torch.empty(bs, dtype=torch.int32, device=device),
-                torch.empty(bs, dtype=torch.int64, device=device), torch.empty((bs, B), dtype=torch.int64, device=device),
-                torch.empty(bs, dtype=torch.int64, device=device)]
-        accept_block(cand.to(device), tgt.to(device), pre.to(device), *outs)
-        accept_len, _, bonus, out_tokens, new_lens = (t.cpu() for t in outs)
-        ref = ref_accept(cand, tgt)
-        assert accept_len.tolist() == ref.accept_len.tolist()
-        assert bonus.tolist() == ref.bonus.tolist()
-        assert (new_lens == pre + ref.commit_len).all()
-        # Every position holds a valid token (logprobs are gathered at all of them); the first
-        # commit_len are the accepted drafts, then the bonus.
-        assert out_tokens.tolist() == ref.out_tokens.tolist()
-        for r in range(bs):
-            n = int(ref.commit_len[r])
-            assert out_tokens[r, :n].tolist() == cand[r, 1:n].tolist() + [int(ref.bonus[r])]
+        check_accept(cand, tgt, torch.randint(0, 100, (bs,), generator=g), device)
 
         req_to_token = torch.arange(20 * 400).view(20, 400)
         slots = torch.randperm(20, generator=g)[:bs]
@@ -55,17 +60,8 @@ def check_accept_block_at_every_verify_width(device: str) -> None:
     load_accept_block(widths, device)
     g = torch.Generator().manual_seed(1)
     for width in widths:
-        bs = 5
-        cand, tgt = (torch.randint(0, 2, (bs, width), generator=g) for _ in range(2))
-        pre = torch.randint(0, 100, (bs,), generator=g)
-        outs = [torch.empty(bs, dtype=torch.int32, device=device), torch.empty(bs, dtype=torch.int32, device=device),
-                torch.empty(bs, dtype=torch.int64, device=device), torch.empty((bs, width), dtype=torch.int64, device=device),
-                torch.empty(bs, dtype=torch.int64, device=device)]
-        accept_block(cand.to(device), tgt.to(device), pre.to(device), *outs)
-        ref = ref_accept(cand, tgt)
-        assert outs[0].cpu().tolist() == ref.accept_len.tolist()
-        assert outs[3].cpu().tolist() == ref.out_tokens.tolist()
-        assert (outs[4].cpu() == pre + ref.commit_len).all()
+        cand, tgt = (torch.randint(0, 2, (5, width), generator=g) for _ in range(2))
+        check_accept(cand, tgt, torch.randint(0, 100, (5,), generator=g), device)
 
 
 @torch.no_grad()
