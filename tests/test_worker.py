@@ -382,8 +382,8 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
         def __init__(self, enable_timing):
             assert enable_timing
 
-        def record(self):
-            pass
+        def record(self, stream=None):
+            self.stream = stream
 
     monkeypatch.setattr(worker_mod.torch.cuda, "Event", Event)
     worker = object.__new__(DFlashWorker)
@@ -397,6 +397,8 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
     worker.spare_events.append(spare)
     DFlashWorker.time_step(worker, 16, 4)
     assert worker.steps_in_flight[-1][3] is spare and not worker.spare_events  # reused, not made anew
+    DFlashWorker.time_step(worker, 16, 4, None, "the step's stream")
+    assert worker.last_step_end.stream == "the step's stream"  # recorded where the step ran
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), is_extend_in_batch=True)
     worker.prefill_step = lambda batch, on_publish: "prefilled"
     worker.pauses = SimpleNamespace(serving=False, mark_serving=lambda: setattr(worker.pauses, "serving", True))
@@ -793,7 +795,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
     worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
-    worker.time_step = lambda width, bs, request_widths=None: None
+    worker.time_step = lambda width, bs, request_widths=None, stream=None: None
     worker.fallback, worker.ragged = None, False
     worker.draft_head = HEAD_WITHOUT_GRAPHS
     worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
@@ -996,7 +998,7 @@ def test_a_ragged_step_records_and_keeps_the_width_each_request_was_verified_at(
         return SimpleNamespace(next_token_logits=logits, hidden_states=None), True, True
 
     worker.verify_step = verify_step
-    worker.time_step = lambda width, bs, request_widths: timed.append((width, request_widths))
+    worker.time_step = lambda width, bs, request_widths, stream: timed.append((width, request_widths))
 
     class Lens(torch.Tensor):
         def record_stream(self, stream):
