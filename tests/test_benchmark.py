@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 
@@ -557,6 +558,46 @@ def test_wave_profile_counts_worker_calls():
         ev("sglang_dflash/worker.py(336): draft_step"),
     ]
     assert worker_steps(events) == 4
+
+
+def test_the_step_profile_sends_a_cached_sets_prompts_in_the_chat_template(tmp_path, monkeypatch):
+    """--dataset: the load cycles the set's prompts as the sweeps render them, not one raw-text prompt."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in "abc"))
+    monkeypatch.setattr(sweep, "render_prompts",
+                        lambda prompts, model_path, thinking: [{"text": f"<{model_path}>{p}"} for p in prompts])
+    profile_step.chat_texts.cache_clear()
+    sent = []
+    monkeypatch.setattr(profile_step, "profile_impl", lambda spec, args, out, on_level: sent.append(
+        profile_step.request_payloads(args)))
+    base = ["--model-path", "m", "--draft-model-path", "d", "--impls", "plugin", "--max-new-tokens", "256",
+            "--output-dir", str(tmp_path / "out")]
+    assert profile_step.main(base + ["--dataset", "gsm8k", "--data-dir", str(data), "--dataset-prompts", "4"]) == 0
+    assert profile_step.main(base) == 0
+    chat, raw = sent
+    assert [p["text"] for p in chat] == ["<m>a", "<m>b", "<m>c", "<m>a"]
+    assert chat[0]["sampling_params"] == {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}
+    assert [p["text"] for p in raw] == ["Write a long story about a lighthouse keeper and the sea."]
+
+    batches, stop = [], threading.Event()
+
+    def run_requests(url, payloads, concurrency, desc):
+        batches.append([p["text"] for p in payloads])
+        if len(batches) == 2:
+            stop.set()
+
+    monkeypatch.setattr(profile_step, "run_requests", run_requests)
+    profile_step.keep_busy("url", chat, 3, stop).join(timeout=10)
+    assert batches == [["<m>a", "<m>b", "<m>c"], ["<m>a", "<m>a", "<m>b"]]  # each load turn goes on round the list
+
+    for bad in (["--dataset", "nope"], ["--dataset", "mt-bench", "--data-dir", str(data)],
+                ["--dataset", "gsm8k", "--data-dir", str(data), "--dataset-prompts", "0"]):
+        with pytest.raises(SystemExit):
+            profile_step.main(base + bad)
+    with pytest.raises(SystemExit):
+        profile_step.main(["--rig", "zero", "--rig-dir", str(tmp_path), "--dataset", "gsm8k", "--data-dir", str(data),
+                           "--output-dir", str(tmp_path / "out")])
 
 
 def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, capsys):

@@ -12,12 +12,16 @@ worker call that launched each kernel, and where the host waited on the GPU.
     python -m sglang_dflash.bench.profile_step --rig zero --impls ar,plugin,builtin --output-dir OUT
 
 ``--rig zero|random`` profiles the benchmark's real-shape pair (no download; token-id prompts).
+``--dataset NAME`` sends a cached set's prompts in the target's chat template, as the sweeps do, in
+place of the one ``--prompt`` (with a raw-text prompt a chat draft accepts less, and an adaptive
+server verifies narrower widths than it does in the sweeps).
 
 The summary goes to OUT/profile_step.json, the raw traces to --trace-dir.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -33,6 +37,7 @@ from typing import Optional
 
 from . import rig
 from .cli import comma_list, parser
+from .datasets import DEFAULT_DIR, FETCH_COMMAND, load_dataset_prompts, problem_with_cache, problem_with_names
 from .client import post_json, run_requests
 from .server import Server, ServerSpec, is_implementation, split_block_size
 from .stats import summarize
@@ -337,10 +342,17 @@ def phase_table(level: dict) -> dict:
     return out
 
 
-def keep_busy(url: str, payload: dict, concurrency: int, stop: threading.Event) -> threading.Thread:
+def cycled(payloads: list[dict], n: int, start: int = 0) -> list[dict]:
+    """``n`` payloads from ``start`` on, round the list."""
+    return [payloads[(start + i) % len(payloads)] for i in range(n)]
+
+
+def keep_busy(url: str, payloads: list[dict], concurrency: int, stop: threading.Event) -> threading.Thread:
     def loop():
+        sent = 0
         while not stop.is_set():
-            run_requests(url, [payload] * concurrency, concurrency, desc="load")
+            run_requests(url, cycled(payloads, concurrency, sent), concurrency, desc="load")
+            sent += concurrency
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
@@ -385,17 +397,34 @@ def profile_impl(spec: ServerSpec, args, out_dir: str, on_level=None) -> dict:
     return report
 
 
+def request_payloads(args) -> list[dict]:
+    """What the load sends, in turn: the rig's token ids, a cached set's prompts in the target's chat
+    template (``--dataset``), or the one ``--prompt`` as raw text; greedy, EOS ignored."""
+    if args.rig:
+        return rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.SHAPES[args.rig_shape].vocab)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
+    if not args.dataset:
+        return [{"text": args.prompt, "sampling_params": params}]
+    texts = chat_texts(args.dataset, args.data_dir, args.dataset_prompts, args.model_path)
+    return [{"text": text, "sampling_params": params} for text in texts]
+
+
+@functools.lru_cache(maxsize=4)
+def chat_texts(dataset: str, data_dir: str, n: int, model_path: str) -> tuple[str, ...]:
+    """A set's first ``n`` prompts in the target's chat template, rendered once per run."""
+    from .sweep import render_prompts
+
+    prompts = load_dataset_prompts(dataset, data_dir, n)
+    return tuple(p["text"] for p in render_prompts(prompts, model_path, thinking=False))
+
+
 def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, light: bool) -> dict:
     trace_dir = os.path.join(args.trace_dir, spec.label, f"c{concurrency}" + ("-light" if light else ""))
     os.makedirs(trace_dir, exist_ok=True)
-    if args.rig:
-        payload = rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.SHAPES[args.rig_shape].vocab)[0]
-    else:
-        payload = {"text": args.prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0,
-                                                             "ignore_eos": True}}
+    payloads = request_payloads(args)
     start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": not light}
     wave = None
-    batch = [payload] * concurrency
+    batch = cycled(payloads, concurrency)
     if args.wave:
         run_requests(server.url, batch, concurrency, desc=f"c{concurrency} warm-up")
         post_json(server.url + "/start_profile", start)
@@ -404,7 +433,7 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, ligh
         wave = summarize(results, wall_s)
     else:
         stop = threading.Event()
-        loader = keep_busy(server.url, payload, concurrency, stop)
+        loader = keep_busy(server.url, payloads, concurrency, stop)
         time.sleep(args.settle_s)  # batch full, caches warm
         post_json(server.url + "/start_profile", {**start, "num_steps": args.steps})
     wait_for_trace(trace_dir)
@@ -457,7 +486,10 @@ def main(argv=None) -> int:
                          "then with them (cN)")
     ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (EOS ignored)")
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.",
-                    help="the one prompt every request sends")
+                    help="the one prompt every request sends, as raw text (unless --dataset)")
+    ap.add_argument("--dataset", help="send this cached set's prompts in turn, in the target's chat template")
+    ap.add_argument("--dataset-prompts", type=int, default=64, help="how many of the set's first prompts to cycle")
+    ap.add_argument("--data-dir", default=DEFAULT_DIR, help=f"the prompt cache ({FETCH_COMMAND} fills it)")
     ap.add_argument("--settle-s", type=float, default=8.0,
                     help="steady mode: seconds of load before tracing starts (batch full, caches warm)")
     ap.add_argument("--server-args", default="--attention-backend triton --grammar-backend none "
@@ -480,6 +512,12 @@ def main(argv=None) -> int:
         server_args = shlex.split(args.server_args)
     except ValueError as e:
         ap.error(f"--server-args: {e}")
+    if args.dataset is not None:
+        problem = ("--dataset: the rig sends token ids" if args.rig else problem_with_names([args.dataset])
+                   or problem_with_cache([args.dataset], args.data_dir)
+                   or (None if args.dataset_prompts >= 1 else "--dataset-prompts: at least 1"))
+        if problem:
+            ap.error(problem)
     if args.rig:
         rig.resolve_paths(ap, args)
         rig.write_rig(os.path.dirname(args.model_path), args.rig_shape)
