@@ -37,8 +37,8 @@ from typing import Optional
 
 from . import rig
 from .cli import comma_list, parser
-from .datasets import DEFAULT_DIR, FETCH_COMMAND, load_dataset_prompts, problem_with_cache, problem_with_names
 from .client import post_json, run_requests
+from .datasets import DEFAULT_DIR, FETCH_COMMAND, load_dataset_prompts, problem_with_cache, problem_with_names
 from .server import Server, ServerSpec, is_implementation, split_block_size
 from .stats import summarize
 
@@ -381,9 +381,9 @@ def worker_steps(events: list[dict]) -> int:
 
 def profile_impl(spec: ServerSpec, args, out_dir: str, on_level=None) -> dict:
     """One server, traced at every ``--concurrency`` level in turn. Steady mode: ``--steps`` steps
-    caught mid-flight under constant load. Wave mode: one whole wave of identical requests, from
-    their prefill to their last token, so both implementations are traced over the same context
-    lengths. ``on_level(report)`` is called after each level (a cut-off run keeps what it traced).
+    caught mid-flight under constant load. Wave mode: one whole wave of requests (identical unless
+    ``--dataset``), from their prefill to their last token, so both implementations are traced over
+    the same context lengths. ``on_level(report)`` is called after each level (a cut-off run keeps what it traced).
     With ``--light-too`` each level is traced twice on the same server, without stacks first
     (``c{N}-light``), then with them (``c{N}``)."""
     report = {}
