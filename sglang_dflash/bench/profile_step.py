@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from . import rig
+from . import rig, sweep
 from .cli import comma_list, parser
 from .client import post_json, run_requests
 from .datasets import DEFAULT_DIR, FETCH_COMMAND, load_dataset_prompts, problem_with_cache, problem_with_names
@@ -342,16 +342,13 @@ def phase_table(level: dict) -> dict:
     return out
 
 
-def cycled(payloads: list[dict], n: int, start: int = 0) -> list[dict]:
-    """``n`` payloads from ``start`` on, round the list."""
-    return [payloads[(start + i) % len(payloads)] for i in range(n)]
-
-
 def keep_busy(url: str, payloads: list[dict], concurrency: int, stop: threading.Event) -> threading.Thread:
     def loop():
         sent = 0
         while not stop.is_set():
-            run_requests(url, cycled(payloads, concurrency, sent), concurrency, desc="load")
+            start = sent % len(payloads)  # each turn goes on round the prompts where the last stopped
+            turn = sweep.full_wave(payloads[start:] + payloads[:start], concurrency)
+            run_requests(url, turn, concurrency, desc="load")
             sent += concurrency
 
     t = threading.Thread(target=loop, daemon=True)
@@ -383,7 +380,8 @@ def profile_impl(spec: ServerSpec, args, out_dir: str, on_level=None) -> dict:
     """One server, traced at every ``--concurrency`` level in turn. Steady mode: ``--steps`` steps
     caught mid-flight under constant load. Wave mode: one whole wave of requests (identical unless
     ``--dataset``), from their prefill to their last token, so both implementations are traced over
-    the same context lengths. ``on_level(report)`` is called after each level (a cut-off run keeps what it traced).
+    the same context lengths. ``on_level(report)`` is called after each level (a cut-off run keeps
+    what it traced).
     With ``--light-too`` each level is traced twice on the same server, without stacks first
     (``c{N}-light``), then with them (``c{N}``)."""
     report = {}
@@ -412,10 +410,8 @@ def request_payloads(args) -> list[dict]:
 @functools.lru_cache(maxsize=4)
 def chat_texts(dataset: str, data_dir: str, n: int, model_path: str) -> tuple[str, ...]:
     """A set's first ``n`` prompts in the target's chat template, rendered once per run."""
-    from .sweep import render_prompts
-
     prompts = load_dataset_prompts(dataset, data_dir, n)
-    return tuple(p["text"] for p in render_prompts(prompts, model_path, thinking=False))
+    return tuple(p["text"] for p in sweep.render_prompts(prompts, model_path, thinking=False))
 
 
 def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, light: bool) -> dict:
@@ -424,7 +420,7 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, ligh
     payloads = request_payloads(args)
     start = {"output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": not light}
     wave = None
-    batch = cycled(payloads, concurrency)
+    batch = sweep.full_wave(payloads, concurrency)
     if args.wave:
         run_requests(server.url, batch, concurrency, desc=f"c{concurrency} warm-up")
         post_json(server.url + "/start_profile", start)
