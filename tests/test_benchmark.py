@@ -3,7 +3,9 @@
 import glob
 import gzip
 import json
+import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -26,7 +28,8 @@ from sglang_dflash.bench.pool import main as pool_main
 from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summarize_trace, worker_steps
 from sglang_dflash.bench.report import paired_wave_table, plot
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
-from sglang_dflash.bench.stats import paired_ratio_stats, side_by_side, summarize, ttft_parts, ttft_parts_summary
+from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
+                                      ttft_parts, ttft_parts_summary)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -422,6 +425,33 @@ def test_paired_ratio_interval_covers_the_geomean_and_narrows_with_more_waves():
     assert paired_ratio_stats(noisy) == few  # seeded: the same figures every time
     with pytest.raises(ValueError):
         paired_ratio_stats([])
+
+
+def test_paired_waves_resample_whole_rotation_cycles_where_the_servers_trade_slices():
+    """Two servers trading CPU slices wave by wave, one slice faster: the ratio swings by 10% each
+    way with the slice, and a cycle of two waves (each server once on each slice) cancels it."""
+    rng = random.Random(3)
+    base = [1000 * (1 + 0.3 * rng.random()) for _ in range(61)]  # the waves' prompts differ
+    swing = [(1.1 if k % 2 == 0 else 1 / 1.1) * math.exp(rng.gauss(0, 0.02)) for k in range(61)]
+
+    def row(label, waves):
+        return {"label": label, "dataset": "gsm8k", "concurrency": 8, "wave_tok_s": waves}
+
+    rows = [row("plugin", [b * s for b, s in zip(base, swing)]), row("builtin", base)]
+    cycles = paired_wave_cycles(rows)[("gsm8k", 8)]
+    assert [len(c) for c in cycles] == [2] * 30 + [1]  # the run stopped inside its last cycle
+    whole, single = paired_ratio_stats(cycles), paired_ratio_stats([x for c in cycles for x in c])
+    assert whole["geomean"] == pytest.approx(single["geomean"]) and whole["waves"] == single["waves"] == 61
+    assert (whole["resampled"], single["resampled"]) == ("cycles of 2", "waves")
+    assert whole["ci95"][0] < whole["geomean"] < whole["ci95"][1]
+    assert whole["ci95"][1] - whole["ci95"][0] < 0.5 * (single["ci95"][1] - single["ci95"][0])
+    # three servers took turns: cycles of three waves
+    three = paired_wave_cycles(rows + [row("ar", [b / 2 for b in base])])[("gsm8k", 8)]
+    assert [len(c) for c in three] == [3] * 20 + [1]
+    assert paired_ratio_stats(three)["resampled"] == "cycles of 3"
+    # too few whole cycles to resample: the waves one by one, as if no cycles were given
+    short = cycles[:MIN_CYCLES - 1]
+    assert paired_ratio_stats(short) == paired_ratio_stats([x for c in short for x in c])
 
 
 def test_report_is_rebuilt_from_sweeps_run_separately(tmp_path, chat_model, data_dir, monkeypatch):

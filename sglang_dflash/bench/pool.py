@@ -2,8 +2,9 @@
 
 One run's waves swing by tens of percent on a host-bound model, so a single run cannot rank two
 servers that are close. Pooling the paired waves of several runs (each pair ran the same prompts,
-adjacent in time) gives a geometric mean with a 95% bootstrap interval; the accept length is
-pooled as all completion tokens over all verify steps.
+adjacent in time) gives a geometric mean with a 95% bootstrap interval, resampling whole rotation
+cycles (one wave per server, each on every CPU slice once: ``stats.paired_ratio_stats``); the
+accept length is pooled as all completion tokens over all verify steps.
 
     python -m sglang_dflash.bench.pool RUN/results.json [RUN2/results.json ...] --output-dir DIR
                                        [--pair plugin-replay-setup builtin]
@@ -21,7 +22,7 @@ import sys
 from collections import defaultdict
 
 from .cli import parser
-from .stats import paired_ratio_stats, paired_wave_ratios
+from .stats import paired_ratio_stats, paired_wave_cycles
 
 
 def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> dict:
@@ -32,9 +33,9 @@ def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> 
     tokens, seconds = (defaultdict(lambda: defaultdict(lambda: [0, 0])) for _ in range(2))
     per_run = []
     for name, rows in runs.items():
-        for (dataset, conc), r in sorted(paired_wave_ratios(rows, a, b).items()):
+        for (dataset, conc), r in sorted(paired_wave_cycles(rows, a, b).items()):
             if r:
-                ratios[conc] += r
+                ratios[conc] += r  # whole cycles: none spans two runs
                 per_run.append({"run": name, "dataset": dataset, "concurrency": conc, **paired_ratio_stats(r)})
         for row in rows:
             if row["label"] in (a, b) and row.get("spec_verify_ct"):
@@ -58,19 +59,19 @@ def pool(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin") -> 
 
 def markdown(result: dict, a: str = "plugin", b: str = "builtin") -> str:
     lines = [f"# {a} / {b}, paired waves pooled over {len(result['runs'])} interleaved runs", "",
-             "| concurrency | waves | waves >= 1x | geometric mean | 95% interval | accept length "
+             "| concurrency | waves | waves >= 1x | geometric mean | 95% interval (resampled) | accept length "
              f"{a} / {b} | tok/s {a} / {b} (AR) |", "|---|---|---|---|---|---|---|"]
     for conc, e in result["pooled"].items():
         acc = (f"{e[f'{a}_accept_len']:.3f} / {e[f'{b}_accept_len']:.3f} ({100 * (e['accept_len_ratio'] - 1):+.1f}%)"
                if "accept_len_ratio" in e else "-")
         ar = f" ({e['ar_tok_s']:.0f})" if e.get("ar_tok_s") else ""
         lines.append(f"| {conc[1:]} | {e['waves']} | {e['at_least_1x']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} | {acc} | {e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}{ar} |")
-    lines += ["", "Per run and dataset:", "", "| run | dataset | concurrency | waves | geometric mean | 95% interval |",
+                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} ({e['resampled']}) | {acc} | {e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}{ar} |")
+    lines += ["", "Per run and dataset:", "", "| run | dataset | concurrency | waves | geometric mean | 95% interval (resampled) |",
               "|---|---|---|---|---|---|"]
     for e in result["per_run"]:
         lines.append(f"| {e['run']} | {e['dataset']} | {e['concurrency']} | {e['waves']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} |")
+                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} ({e['resampled']}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,14 +6,14 @@ import json
 import os
 import statistics
 
-from .stats import paired_ratio_stats, paired_wave_ratios
+from .stats import paired_ratio_stats, paired_wave_cycles
 
 
 def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
     """Interleaved runs: ``a`` over ``b`` wave by wave (same prompts, adjacent in time), where
     the totals alone would hide how much single waves swing."""
-    ratios = {k: v for k, v in paired_wave_ratios(rows, a, b).items() if v}
-    if not ratios:
+    cycles = {k: v for k, v in paired_wave_cycles(rows, a, b).items() if v}
+    if not cycles:
         return []
     lines = [f"## {a} / {b}, wave by wave (interleaved): median [min, max], waves where {a} >= {b}; "
              "geometric mean (95% bootstrap interval)", "",
@@ -21,11 +21,11 @@ def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "p
     for c in concs:
         cells = []
         for d in datasets:
-            r = ratios.get((d, c))
-            if r is None:
+            if (d, c) not in cycles:
                 cells.append("-")
                 continue
-            st = paired_ratio_stats(r)
+            r = [x for cycle in cycles[d, c] for x in cycle]
+            st = paired_ratio_stats(cycles[d, c])
             cells.append(f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}], {st['at_least_1x']}/{st['waves']}; "
                          f"{st['geomean']:.2f}x ({st['ci95'][0]:.2f}-{st['ci95'][1]:.2f})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")

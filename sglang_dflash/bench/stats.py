@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from typing import Optional
 
 from .client import RequestResult
@@ -100,27 +101,61 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = r["output_tok_s"] / base if base else None
 
 
-def paired_ratio_stats(ratios: list[float], resamples: int = 4000, seed: int = 0) -> dict:
+# Fewer whole rotation cycles than this and the waves are resampled one by one: a handful of
+# blocks gives no interval worth the name.
+MIN_CYCLES = 10
+
+
+def paired_ratio_stats(ratios: list, resamples: int = 4000, seed: int = 0) -> dict:
     """Geometric mean of paired wave ratios with a 95% bootstrap interval (seeded): whether runs
-    this noisy tell the two servers apart at all."""
-    logs = [math.log(r) for r in ratios if r > 0]
-    if not logs:
+    this noisy tell the two servers apart at all.
+
+    ``ratios``: one per wave, or lists of them, one per rotation cycle (:func:`paired_wave_cycles`),
+    which are then resampled whole. Pinned servers trade CPU slices and places in the order wave
+    by wave, and where one slice or place is faster a wave's ratio swings with it, in turn: on the
+    H200 host a pair's ratios alternate (lag-1 autocorrelation -0.3 to -0.6 over 100-300 waves,
+    session 49), and resampling single waves would count that swing as noise a cycle cancels.
+    Below ``MIN_CYCLES`` whole cycles the waves are resampled one by one."""
+    cycles = [[math.log(r) for r in (c if isinstance(c, (list, tuple)) else (c,)) if r > 0] for c in ratios]
+    cycles = [c for c in cycles if c]
+    if not cycles:
         raise ValueError("no positive ratios to summarise")
-    rng, n = random.Random(seed), len(logs)
-    means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))
+    length = max(len(c) for c in cycles)
+    if length > 1 and len(cycles) < MIN_CYCLES:
+        cycles, length = [[x] for c in cycles for x in c], 1
+    logs = [x for c in cycles for x in c]
+    rng, n, k = random.Random(seed), len(logs), len(cycles)
+    if length == 1:  # one wave a block: as before cycles were kept, draw for draw
+        means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))
+    else:
+        sums, sizes = [sum(c) for c in cycles], [len(c) for c in cycles]
+        means = []
+        for _ in range(resamples):
+            picked = rng.choices(range(k), k=k)
+            means.append(sum(sums[i] for i in picked) / sum(sizes[i] for i in picked))
+        means.sort()
     lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
     return {"waves": n, "at_least_1x": sum(x >= 0 for x in logs), "geomean": math.exp(sum(logs) / n),
-            "ci95": [math.exp(lo), math.exp(hi)]}
+            "ci95": [math.exp(lo), math.exp(hi)], "resampled": "waves" if length == 1 else f"cycles of {statistics.mode(len(c) for c in cycles)}"}
 
 
-def paired_wave_ratios(rows: list[dict], a: str = "plugin", b: str = "builtin") -> dict:
-    """(dataset, concurrency) -> ``a``/``b`` tok/s ratios of the waves the two ran in turn."""
+def paired_wave_cycles(rows: list[dict], a: str = "plugin", b: str = "builtin") -> dict:
+    """(dataset, concurrency) -> ``a``/``b`` tok/s ratios of the waves the two ran in turn, in
+    rotation cycles: as many waves as servers took turns at that level (each server once on every
+    CPU slice and in every place of the order), the last one short where the run stopped inside one."""
     by = {(r["dataset"], r["label"], r["concurrency"]): r for r in rows}
+    turns: dict = {}
+    for (d, _, c), r in by.items():
+        if r.get("wave_tok_s"):
+            turns[d, c] = turns.get((d, c), 0) + 1
     out = {}
     for (d, lab, c), ra in by.items():
         rb = by.get((d, b, c))
         if lab == a and rb and ra.get("wave_tok_s") and rb.get("wave_tok_s"):
-            out[(d, c)] = [x / y for x, y in zip(ra["wave_tok_s"], rb["wave_tok_s"]) if x and y]
+            pairs = list(zip(ra["wave_tok_s"], rb["wave_tok_s"]))
+            n = turns[d, c]
+            cycles = [[x / y for x, y in pairs[i:i + n] if x and y] for i in range(0, len(pairs), n)]
+            out[(d, c)] = [cycle for cycle in cycles if cycle]
     return out
 
 

@@ -42,7 +42,7 @@ from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, busy_gpu_warning, checkpoint_bytes, cpu_slices,
     exit_on_sigterm, gpu_free_bytes, gpu_processes, is_implementation, memory_fraction, split_block_size, stop_all,
 )
-from .stats import (add_speedups, paired_ratio_stats, paired_wave_ratios, side_by_side, step_table, summarize,
+from .stats import (add_speedups, paired_ratio_stats, paired_wave_cycles, side_by_side, step_table, summarize,
                     ttft_parts_summary)
 
 REPORT_SETTINGS = ("model_path", "draft_model_path", "max_new_tokens", "temperature", "thinking", "num_prompts")
@@ -631,7 +631,7 @@ def scale_entry(scale: dict, rows: list[dict], evidence: str) -> dict:
             entry[f"{label}_step_ms"] = {f"c{c}": cell["step_ms"] for c, cell in steps[label].items()}
     entry["step_over_ar"] = {label: {f"c{c}": cell["over_ar"] for c, cell in by_conc.items()}
                              for label, by_conc in steps.items() if label != "ar"}
-    ratios = {c: paired_ratio_stats(r) for (_, c), r in paired_wave_ratios(rows).items() if r}
+    ratios = {c: paired_ratio_stats(r) for (_, c), r in paired_wave_cycles(rows).items() if r}
     if ratios:
         entry["plugin_over_builtin"] = {f"c{c}": round(st["geomean"], 3) for c, st in sorted(ratios.items())}
         entry["interval"] = {f"c{c}": [round(x, 3) for x in st["ci95"]] for c, st in sorted(ratios.items())}
