@@ -6,10 +6,11 @@ the same, width 1 15% less, a single narrower verify 0.7 ms more, the first veri
 1 ms more; 10% noise and one-sided hiccups. Each request's drafts pass through easy and hard
 stretches. Prints adaptive / fixed 16 per level and the steps not at width 16, by rule.
 
-    python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4] [--host]
+    python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4] [--host [--cuda]]
 
 ``--host`` prints instead the policy's own host time a step (``step_widths`` and ``learn_step``)
-at bs 1-64, on this machine's CPU.
+at bs 1-64, on this machine's CPU; ``--cuda`` adds the CUDA calls with which the worker times a
+step (an event recorded, then queried and read against the step before's).
 
 ``--code`` imports ``sglang_dflash`` from another checkout (``git worktree add /tmp/old HEAD~3``).
 """
@@ -121,16 +122,45 @@ def host_time(batch_sizes=(1, 4, 16, 64), steps=20000, warm=2000):
         print(f"bs {bs:3d}: step_widths {1e6 * before / n:5.1f} us, learn_step {1e6 * after / n:5.1f} us a step")
 
 
+def cuda_calls(calls=2000):
+    """Microseconds a call of what ``DFlashWorker.time_step`` and ``on_verify_complete_cpu`` add to
+    a step's host time, beside a stream lookup and one small kernel launch for scale."""
+    import time
+
+    import torch
+
+    stream, x = torch.cuda.current_stream(), torch.zeros(1, device="cuda")
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    timed = {}
+
+    def clock(name, body):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        body()
+        timed[name] = 1e6 * (time.perf_counter() - t0) / calls
+
+    clock("event record", lambda: [e.record(stream) for e in events])
+    clock("event query", lambda: [e.query() for e in events])
+    clock("event elapsed_time", lambda: [a.elapsed_time(b) for a, b in zip(events, events[1:] + events[:1])])
+    clock("current_stream", lambda: [torch.cuda.current_stream() for _ in range(calls)])
+    clock("kernel launch (add_)", lambda: [x.add_(1) for _ in range(calls)])
+    print(", ".join(f"{name} {us:.2f} us" for name, us in timed.items()))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--code", help="a checkout whose sglang_dflash to import")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--host", action="store_true", help="print the policy's host time a step instead")
+    ap.add_argument("--cuda", action="store_true", help="with --host: also the CUDA calls that time a step")
     args = ap.parse_args()
+    if args.cuda and not args.host:
+        ap.error("--cuda goes with --host")
     if args.code:
         sys.path.insert(0, args.code)
     if args.host:
-        return host_time()
+        host_time()
+        return cuda_calls() if args.cuda else None
     for name, easy, hard in (("gsm8k-like", 0.85, 0.45), ("mt-bench-like", 0.7, 0.2)):
         rows = {}
         for seed in range(args.seeds):
