@@ -101,8 +101,8 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = r["output_tok_s"] / base if base else None
 
 
-# Fewer whole rotation cycles than this and the waves are resampled one by one: a handful of
-# blocks gives no interval worth the name.
+# Fewer rotation cycles than this and the waves are resampled one by one: a handful of blocks
+# gives no interval worth the name.
 MIN_CYCLES = 10
 
 
@@ -115,7 +115,7 @@ def paired_ratio_stats(ratios: list, resamples: int = 4000, seed: int = 0) -> di
     by wave, and where one slice or place is faster a wave's ratio swings with it, in turn: on the
     H200 host a pair's ratios alternate (lag-1 autocorrelation -0.3 to -0.6 over 100-300 waves,
     session 49), and resampling single waves would count that swing as noise a cycle cancels.
-    Below ``MIN_CYCLES`` whole cycles the waves are resampled one by one."""
+    With fewer than ``MIN_CYCLES`` cycles the waves are resampled one by one."""
     cycles = [[math.log(r) for r in (c if isinstance(c, (list, tuple)) else (c,)) if r > 0] for c in ratios]
     cycles = [c for c in cycles if c]
     if not cycles:
@@ -125,7 +125,7 @@ def paired_ratio_stats(ratios: list, resamples: int = 4000, seed: int = 0) -> di
         cycles, length = [[x] for c in cycles for x in c], 1
     logs = [x for c in cycles for x in c]
     rng, n, k = random.Random(seed), len(logs), len(cycles)
-    if length == 1:  # one wave a block: as before cycles were kept, draw for draw
+    if length == 1:  # single waves: the same draws as before cycles were kept
         means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))
     else:
         sums, sizes = [sum(c) for c in cycles], [len(c) for c in cycles]
@@ -135,8 +135,9 @@ def paired_ratio_stats(ratios: list, resamples: int = 4000, seed: int = 0) -> di
             means.append(sum(sums[i] for i in picked) / sum(sizes[i] for i in picked))
         means.sort()
     lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    resampled = "waves" if length == 1 else f"cycles of {statistics.mode(len(c) for c in cycles)}"
     return {"waves": n, "at_least_1x": sum(x >= 0 for x in logs), "geomean": math.exp(sum(logs) / n),
-            "ci95": [math.exp(lo), math.exp(hi)], "resampled": "waves" if length == 1 else f"cycles of {statistics.mode(len(c) for c in cycles)}"}
+            "ci95": [math.exp(lo), math.exp(hi)], "resampled": resampled}
 
 
 def paired_wave_cycles(rows: list[dict], a: str = "plugin", b: str = "builtin") -> dict:
