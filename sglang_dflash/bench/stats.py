@@ -125,15 +125,12 @@ def paired_ratio_stats(ratios: list, resamples: int = 4000, seed: int = 0) -> di
         cycles, length = [[x] for c in cycles for x in c], 1
     logs = [x for c in cycles for x in c]
     rng, n, k = random.Random(seed), len(logs), len(cycles)
-    if length == 1:  # single waves: the same draws as before cycles were kept
-        means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))
-    else:
-        sums, sizes = [sum(c) for c in cycles], [len(c) for c in cycles]
-        means = []
-        for _ in range(resamples):
-            picked = rng.choices(range(k), k=k)
-            means.append(sum(sums[i] for i in picked) / sum(sizes[i] for i in picked))
-        means.sort()
+    sums, sizes = [sum(c) for c in cycles], [len(c) for c in cycles]
+    means = []
+    for _ in range(resamples):  # with single waves, the draws of the wave bootstrap this replaced
+        picked = rng.choices(range(k), k=k)
+        means.append(sum(sums[i] for i in picked) / sum(sizes[i] for i in picked))
+    means.sort()
     lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
     resampled = "waves" if length == 1 else f"cycles of {statistics.mode(len(c) for c in cycles)}"
     return {"waves": n, "at_least_1x": sum(x >= 0 for x in logs), "geomean": math.exp(sum(logs) / n),
