@@ -317,7 +317,12 @@ class WidthPolicy:
         held = self.current.get(b, max(self.widths))
         if best == held:
             self.first_wins.pop(b, None)  # a win counts only while its width still reads best
-        elif self.costs.estimate(held, bs) is not None:
+        elif self.costs.estimate(held, bs) is None:
+            # Not timed at this bucket yet (full width bounded out of its first tries by a slow
+            # smaller bucket): time it before another replaces it (session 50, H200, SmolLM2
+            # gsm8k c32: width 8 held for 590 steps that way, until deep refreshes timed width 16).
+            return held, False
+        else:
             fresh = self.costs.newest_since(best, bs, self.steps - self.refresh_every)
             won = self.first_wins.get(b)
             if fresh is None or (won is not None and won == (best, fresh[1])):

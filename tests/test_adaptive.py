@@ -858,3 +858,20 @@ def test_acceptance_counts_each_request_drafts_judged_and_accepted():
                 accepted[k] += k <= a
     acc.rate(1)  # the counts by position are summed once a rate is read
     assert acc.tested == tested and acc.accepted == accepted
+
+
+def test_a_new_bucket_times_full_width_before_a_narrower_width_is_held_there():
+    """Seen on the GPU (SmolLM2 on an H200, fa3, gsm8k c32, session 50): full width, timed at bucket
+    16 in a slow stretch, was bounded below what width 8 read on its first tries at bucket 32, so
+    it got no first try there; width 8, the only width measured, then became the bucket's choice
+    without a step of full width beside it, and was held for 590 steps, until deep refreshes had
+    timed full width three times. The width a new bucket holds (full width) is now timed there
+    before another replaces it."""
+    rng, policy = random.Random(5), WidthPolicy(16)
+    for _ in range(4):  # bucket 1 quick at every width; full width alone timed at bucket 16, slow
+        for w in policy.widths:
+            policy.record(w, 1, accepted_drafts(rng, 1, w, 0.74), 2.1e-3 if w == 1 else 2.5e-3)
+        policy.record(16, 16, accepted_drafts(rng, 16, 16, 0.74), 4.5e-3)
+    run_policy(policy, 32, 0.74, lambda w, b: 3.1e-3 * (1 + 0.05 * rng.random()), 600, rng)  # every width alike
+    held = sum(n for (b, w, why), n in policy.reasons.items() if b == 32 and why == "best" and w != 16)
+    assert held <= 20, policy.choices()
