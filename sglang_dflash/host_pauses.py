@@ -9,6 +9,7 @@ host time of decode calls by verify width.
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -82,7 +83,9 @@ class StepStalls:
     forgets the last call's end, so a pause between waves never counts.
 
     Decode calls are also kept by verify width and batch-size bucket (the last ``per_width``): a
-    width whose steps cost more shows whether the host spent it in the call or before it.
+    width whose steps cost more shows whether the host spent it in the call or before it. And
+    they are summed since start (``decode_host``): differences between two reads give a wave's
+    mean host time per decode step, in the worker call and in the gap before it.
     """
 
     def __init__(self, threshold_ms: float = 50.0, keep: int = 32, per_width: int = 64):
@@ -91,6 +94,8 @@ class StepStalls:
         self.recent: deque = deque(maxlen=keep)
         self.per_width = per_width
         self.by_width: dict[tuple[int, int], deque] = {}  # (width, bucket) -> (call s, gap s)
+        self.decode_calls, self.decode_call_s, self.decode_gap_s = 0, 0.0, 0.0  # since start, gap known
+        self.policy_s = 0.0  # since start: the width policy's own calls (the worker adds them, :func:`policy_time`)
         self._start: Optional[float] = None
         self._last_end: Optional[float] = None
         self._last_mode = ""
@@ -104,6 +109,9 @@ class StepStalls:
         gap = self._start - self._last_end if self._last_end is not None and self._start is not None else 0.0
         self.calls += 1
         if width is not None and self._last_end is not None:
+            self.decode_calls += 1
+            self.decode_call_s += call
+            self.decode_gap_s += gap
             key = (width, bucket(bs))
             if key not in self.by_width:
                 self.by_width[key] = deque(maxlen=self.per_width)
@@ -123,4 +131,19 @@ class StepStalls:
         return {"calls": self.calls, "over_ms": round(self.threshold * 1e3, 1), "stalls": self.count,
                 "stall_ms": round(self.total * 1e3, 1),
                 "recent": list(self.recent),  # [call, previous>this mode, bs, tokens, call ms, gap ms]
-                "host_ms_by_width": by_width}  # medians of the last decode calls at each width@bucket
+                "host_ms_by_width": by_width,  # medians of the last decode calls at each width@bucket
+                "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
+                                "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3)}}
+
+
+def policy_time(method):
+    """Adds a worker method's host time to ``self.stalls.policy_s``: the width policy's own share of
+    the steps (its calls run in the worker call and, learning, in the scheduler's gap)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.stalls.policy_s += time.perf_counter() - started
+    return timed

@@ -69,7 +69,7 @@ from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
-from .host_pauses import StepStalls, process_pauses
+from .host_pauses import StepStalls, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import HalfVerifyLogits, OutputCounts, argmax_only, to_device_async
@@ -449,6 +449,7 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=accepted.new_seq_lens,
         )
 
+    @policy_time
     def choose_widths(self, batch, bs: int) -> tuple[int, Optional[list]]:
         """The batch's verify width and, with the per-request fallback, ``(rids, widths)``: the
         width each request is verified at (:func:`~sglang_dflash.adaptive.step_widths`)."""
@@ -458,6 +459,7 @@ class DFlashWorker(BaseSpecWorker):
         width, widths = step_widths(self.width_policy, self.fallback, rids, bs, self.block_size, self.ragged)
         return width, (None if widths is None else (rids, widths))
 
+    @policy_time
     def time_step(self, width: int, bs: int, request_widths: Optional[tuple] = None, stream=None) -> None:
         """A step's cost is the GPU time from the previous decode step's end to its own: what it
         adds to the stream, host gaps included (with no draft pass to hide behind, a width-1
@@ -468,6 +470,7 @@ class DFlashWorker(BaseSpecWorker):
         self.steps_in_flight.append((width, bs, self.last_step_end, ended, request_widths))
         self.last_step_end = ended
 
+    @policy_time
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         """The scheduler's word, in step order, that a step's accept lengths reached the host: the
         width policy learns that step's acceptance and, once its end is reached, its time, without

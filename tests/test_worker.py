@@ -542,7 +542,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     pauses = state["dflash"].pop("host_pauses")
     assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
-                                             "host_ms_by_width": {}}
+                                             "host_ms_by_width": {}, "decode_host": {"calls": 0, "call_ms": 0.0,
+                                                                                     "gap_ms": 0.0, "policy_ms": 0.0}}
     from sglang_dflash.draft_input import bulk_prepare_serves
 
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()
@@ -630,8 +631,26 @@ def test_decode_calls_are_kept_by_verify_width(monkeypatch):
                             ("extend", 4, None)]:
         stalls.begin()
         stalls.end(mode, bs, 0, width)
-    assert stalls.report()["host_ms_by_width"] == {"16@16": {"call": 3.0, "gap": 2.0, "n": 2},
-                                                   "8@16": {"call": 5.0, "gap": 1.0, "n": 1}}
+    report = stalls.report()
+    assert report["host_ms_by_width"] == {"16@16": {"call": 3.0, "gap": 2.0, "n": 2}, "8@16": {"call": 5.0, "gap": 1.0, "n": 1}}
+    # Summed since start too, so two reads give a wave's mean host time per decode step.
+    assert report["decode_host"] == {"calls": 3, "call_ms": 11.0, "gap_ms": 5.0, "policy_ms": 0.0}
+
+
+def test_the_width_policys_own_calls_are_summed_as_host_time(monkeypatch):
+    """The default's share of a step's host time: what its choice, its step timing and its learning
+    took (the worker's methods under ``policy_time``), beside the decode calls' totals."""
+    import sglang_dflash.host_pauses as host_pauses
+
+    clock = iter([1.000, 1.0002, 2.000, 2.0005])
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.stalls, worker.width_policy, worker.block_size = host_pauses.StepStalls(), None, 16
+    assert worker.choose_widths(None, 4) == (16, None)  # 0.2 ms
+    worker.on_verify_complete_cpu([1, 2])  # 0.5 ms
+    assert worker.stalls.report()["decode_host"]["policy_ms"] == 0.7
 
 
 def test_worker_calls_are_named_by_the_mode_they_came_in():
