@@ -51,7 +51,9 @@ def make_handler(args):
                                        "eager_verifies": {"16": count["n"] // 2, "4": 1},
                                        "stalls": {"calls": 5 * count["n"], "over_ms": 50.0, "stalls": count["n"] // 3,
                                                   "stall_ms": 60.0 * (count["n"] // 3),
-                                                  "recent": [[5 * count["n"], "decode>extend", 2, 256, 60.0, 1.0]]}}
+                                                  "recent": [[5 * count["n"], "decode>extend", 2, 256, 60.0, 1.0]],
+                                                  "decode_host": {"calls": 4 * count["n"], "call_ms": 8.0 * count["n"],
+                                                                  "gap_ms": 4.0 * count["n"], "policy_ms": 0.2 * count["n"]}}}
                 return self._json(200, {"internal_states": [state]})
             self._json(404, {"error": "not found"})
 

@@ -29,7 +29,7 @@ from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summar
 from sglang_dflash.bench.report import paired_wave_table, plot
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
-                                      ttft_parts, ttft_parts_summary)
+                                      ttft_parts, ttft_parts_summary, wave_host_per_step)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -364,6 +364,11 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
         assert (named in out) == (n // 3 > (n - 1) // 3)
     assert any(n // 3 > (n - 1) // 3 for n in gcs)
     assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
+    # Host time per decode step, wave by wave from the running totals (the fake: 2 ms in the call,
+    # 1 ms before it, 50 us of it the width policy's); the first wave has no totals before it.
+    assert wave_host_per_step(rows["plugin"]) == [{"call": 2000.0, "gap": 1000.0, "policy": 50.0}] * 2
+    assert wave_host_per_step(rows["ar"]) == []
+    assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 |" in (tmp_path / "report.md").read_text()
     assert rows["plugin"]["wave_serving_compiles"] == [[0, 0.0], [1, 1.18], [1, 1.18]]
     assert "wave_serving_compiles" not in rows["ar"]  # none in its log
     per_request = rows["plugin"]["per_request"]
@@ -1116,3 +1121,26 @@ def test_kernel_diff_sets_two_traced_steps_side_by_side_largest_difference_first
     for bad in (f"{tmp_path}/a.json:ar", f"{tmp_path}/a.json:plugin:c8", f"{tmp_path}/missing.json"):
         with pytest.raises(SystemExit, match="kernel_diff: "):
             kernel_diff_main([bad, f"{tmp_path}/a.json"])
+
+
+def test_every_benchmark_implementation_names_settings_the_plugin_accepts(monkeypatch):
+    """An A/B entry whose environment the plugin refuses would only fail on the GPU machine, at
+    start-up. The decomposition entries do what they say: every width built, full width always
+    chosen and no fallback (adaptive-hold16); the default's policy without its fallback."""
+    from sglang_dflash.adaptive import CyclingWidths, WidthPolicy, make_fallback, make_width_policy
+    from sglang_dflash.config import draft_fallback, verify_widths, width_policy_kind
+
+    made = {}
+    for name, (_, env) in server_mod.IMPLEMENTATIONS.items():
+        for key in ("SGLANG_DFLASH_WIDTHS", "SGLANG_DFLASH_WIDTH_POLICY", "SGLANG_DFLASH_FALLBACK"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        widths = verify_widths(16)
+        made[name] = (widths, make_width_policy(width_policy_kind(), 16, widths), make_fallback(draft_fallback(widths)))
+    widths, policy, fallback = made["adaptive-hold16"]
+    assert widths == (16, 8, 4, 2, 1) and isinstance(policy, CyclingWidths) and fallback is None
+    assert {policy.choose(bs) for bs in (1, 8, 32, 64) for _ in range(500)} == {16}
+    widths, policy, fallback = made["adaptive-nofallback"]
+    assert widths == (16, 8, 4, 2, 1) and isinstance(policy, WidthPolicy) and fallback is None
+    assert made["adaptive"][2] is not None

@@ -6,7 +6,7 @@ import json
 import os
 import statistics
 
-from .stats import paired_ratio_stats, paired_wave_cycles
+from .stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step
 
 
 def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
@@ -30,6 +30,22 @@ def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "p
                          f"{st['geomean']:.2f}x ({st['ci95'][0]:.2f}-{st['ci95'][1]:.2f})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def host_time_table(rows: list[dict]) -> list[str]:
+    """Plugin servers' host time per decode step, medians over a level's waves: where a server whose
+    steps take longer spends it (the worker call or the scheduler's gap, and the width policy's share)."""
+    lines = []
+    for r in rows:
+        waves = wave_host_per_step(r)
+        if waves:
+            lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | "
+                         + " | ".join(f"{statistics.median(w[k] for w in waves):.1f}" for k in ("call", "gap", "policy")) + " |")
+    if not lines:
+        return []
+    return ["## Host time per decode step (us): medians over waves", "",
+            "| impl | dataset | conc | waves | worker call | gap before it | width policy |", "|---|---|---|---|---|---|---|",
+            *lines, ""]
 
 
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
@@ -64,6 +80,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
                 lines.append(f"| {lab} | {c} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += paired_wave_table(rows, datasets, concs)
+    lines += host_time_table(rows)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

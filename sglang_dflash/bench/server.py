@@ -37,6 +37,15 @@ IMPLEMENTATIONS = {
                                                               "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
     "adaptive-cycle8": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                 "SGLANG_DFLASH_WIDTH_POLICY": "cycle:8"}),
+    # Where the default's longer steps at full width come from (session 50: 1-5% a step at c32 on
+    # SmolLM2): every width's graphs and the step timing, but a policy that always picks full width
+    # and no fallback; and the default without its per-request fallback.
+    "adaptive-hold16": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                                "SGLANG_DFLASH_WIDTH_POLICY": "cycle:1000000000",
+                                                                "SGLANG_DFLASH_FALLBACK": "off"}),
+    "adaptive-nofallback": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                                    "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
+                                                                    "SGLANG_DFLASH_FALLBACK": "off"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
     "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
                         {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto", "SGLANG_DFLASH_RAGGED": "1"}),

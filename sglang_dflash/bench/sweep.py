@@ -256,8 +256,9 @@ def host_pauses(url: str) -> Optional[dict]:
     graphs = {k: dflash[k] for k in ("decode_steps", "eager_drafts") if k in dflash}
     if "eager_verifies" in dflash:
         graphs["eager_verifies"] = sum(dflash["eager_verifies"].values())
-    if "stalls" in dflash:  # worker calls, and gaps between them, over the threshold: the last few named
-        graphs.update({k: dflash["stalls"][k] for k in ("stalls", "stall_ms", "recent")})
+    if "stalls" in dflash:  # worker calls, and gaps between them, over the threshold: the last few named;
+        # the decode calls' host time summed since start (a wave's mean per step from two reads)
+        graphs.update({k: dflash["stalls"][k] for k in ("stalls", "stall_ms", "recent", "decode_host") if k in dflash["stalls"]})
     return {**dflash["host_pauses"], **graphs}
 
 
