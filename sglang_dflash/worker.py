@@ -271,6 +271,17 @@ class DFlashWorker(BaseSpecWorker):
             return tuple(backends)
         return tuple(as_the_scheduler_sees(b) for b in backends)
 
+    def host_lengths_copied(self) -> list[str]:
+        """The backends for which the scheduler copies the committed lengths to the host before each
+        decode step (SGLang's ``decide_needs_cpu_seq_lens``: a missing flag counts as yes). Empty:
+        no copy, so the step never waits on the one in flight for it."""
+        try:
+            backends = self.spec_v2_attn_backends
+        except AttributeError:  # before the backends are built
+            return []
+        return [type(getattr(b, "backend", b)).__name__ for b in backends
+                if b is not None and getattr(b, "needs_cpu_seq_lens", True)]
+
     def __getattr__(self, name):
         # The scheduler uses the spec worker as its model worker; the rest is the target's.
         if name == "_target_worker":
@@ -349,7 +360,7 @@ class DFlashWorker(BaseSpecWorker):
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
                 "prefills": self.prefills, "prefills_in_graphs": self.prefills_in_graphs,
                 "stalls": self.stalls.report(), "bulk_prepare": bulk_prepare_serves(),
-                "block_attention": BLOCK_ROUTE.report(),
+                "block_attention": BLOCK_ROUTE.report(), "host_lengths": self.host_lengths_copied(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies

@@ -331,8 +331,10 @@ def test_the_scheduler_is_shown_every_backend_a_step_runs_on_and_which_need_host
     seen = DFlashWorker.spec_v2_attn_backends.fget(worker)
     assert [getattr(b, "backend", b) for b in seen] == [target, draft, narrow, planning]
     assert [b.needs_cpu_seq_lens for b in seen] == [False, False, False, True]
+    assert DFlashWorker.host_lengths_copied(worker) == ["Backend"]  # /get_server_info: the one that plans
     worker.width_one_decodes = True  # a width-1 DECODE plans from the host's lengths
     assert DFlashWorker.spec_v2_attn_backends.fget(worker) == (target, draft, narrow, planning)
+    assert len(DFlashWorker.host_lengths_copied(worker)) == 4
     worker.width_one_decodes = False
     monkeypatch.setenv("SGLANG_DFLASH_SKIP_HOST_LENGTHS", "0")  # the A/B switch
     assert DFlashWorker.spec_v2_attn_backends.fget(worker) == (target, draft, narrow, planning)
@@ -549,6 +551,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()
     assert set(state["dflash"].pop("block_attention")) == {"backends", "routed_calls", "declined_calls", "plans_skipped",
                                                            "served_whole"}
+    assert state["dflash"].pop("host_lengths") == []  # no backends built here
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
@@ -557,7 +560,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
-    fixed.pop("bulk_prepare"), fixed.pop("block_attention")
+    fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths")
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
