@@ -379,6 +379,8 @@ class WidthPolicy:
         least is already a bound, and with the margin too, a width that got no first try was timed
         by refreshes alone (8B rig, every draft accepted, fa3, session 40: width 8 at bs 32, 4 steps)."""
         held = self.throughput(chosen, bs)
+        if held is None:  # the held width is not timed at this bucket yet (:meth:`_best`): this step times it
+            return None
         bar = held * (1 - self.margin)
 
         def could_win(w: int) -> bool:

@@ -614,6 +614,22 @@ def test_draft_health_holds_only_the_batchs_requests_when_accept_lengths_arrive_
     assert health.fallback_requests > 50
 
 
+def test_a_refresh_step_at_a_new_bucket_whose_held_width_is_untimed_times_it_and_does_not_fail():
+    """A batch that jumps to a new bucket where full width is bounded out of its first tries holds
+    full width untimed (:meth:`WidthPolicy._best`); a refresh step there has no held cost to set a
+    bar from. It raised TypeError (16e20b5, found in session 51): the server would have stopped."""
+    rng = random.Random(8)
+    policy, late = WidthPolicy(16, (16, 8, 4, 1)), None
+    for step in range(3200):
+        bs = rng.choice((3, 3, 3, 12)) if step < 3000 else 40
+        width = policy.choose(bs)
+        if late is not None:
+            policy.record(*late)
+        accepts = [min(width - 1, int(rng.expovariate(0.4 if step < 3000 else 2.0))) for _ in range(bs)]
+        late = (width, bs, accepts, 0.004 + 0.001 * width / 16 + 0.0002 * rng.random())
+    assert policy.costs.count(16, 40) >= 3  # timed where it was held
+
+
 def test_step_costs_keep_the_least_of_each_windows_samples():
     from sglang_dflash.adaptive import StepCosts
 
