@@ -110,7 +110,8 @@ class StepCosts:
         self.now = 0  # the policy's step count, set by the policy
         self.order = 0  # samples observed so far, of every key: which of two was timed first
 
-    def observe(self, width: int, bs: int, seconds: float) -> None:
+    def observe(self, width: int, bs: int, seconds: float, step: Optional[int] = None) -> None:
+        """One step's seconds; ``step``: the policy's step count when they arrived (default: now)."""
         key = (width, bucket(bs))
         samples = self.samples.get(key)
         if samples is None:
@@ -121,7 +122,7 @@ class StepCosts:
         self.order += 1
         # The least of the window kept as samples arrive: scanned again only when it leaves.
         leaving = samples[0][2] if len(samples) == self.window else None
-        samples.append((self.order, self.now, seconds))
+        samples.append((self.order, self.now if step is None else step, seconds))
         least = self.seconds.get(key)
         if least is None or seconds <= least:
             self.seconds[key] = seconds
@@ -184,7 +185,8 @@ class WidthPolicy:
     width changes: where the held width keeps winning, a probe only costs. Once
     settled, a bucket's choice is reconsidered every ``decide_every`` steps and at each scheduled
     re-measurement, not every step: on a host-bound pair the policy's own host time is a share of
-    the step."""
+    the step. For the same reason what each step teaches waits for the next decision
+    (:meth:`record_later`)."""
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
     CONFIRM_LAG = 3  # steps until a step's time reaches the policy (the overlap schedule reports late)
@@ -192,6 +194,7 @@ class WidthPolicy:
     # within 1.5% of width 16's tokens at about its cost, was probed every 16 steps (4-7% of a level's
     # steps) and never won; at bs 1-2 a single width-8 call took 0.5-0.9 ms more host time than width 16's.
     MAX_PROBE_GAP = 256
+    MAX_UNLEARNED = 16  # steps whose lesson may wait for a decision (:meth:`record_later`)
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
                  margin: float = 0.1, decide_every: int = 8):
@@ -213,6 +216,7 @@ class WidthPolicy:
         self.refreshes = 0
         self.reasons: Counter = Counter()  # (bucket, width, why) -> steps: which rule chose each width
         self.switch_log: deque = deque(maxlen=32)  # the latest changes of a bucket's held width, and why
+        self.unlearned: list = []  # (width, bs, accept lens, timing, step) of steps not yet recorded
 
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
@@ -235,6 +239,7 @@ class WidthPolicy:
         if held is not None and self.steps < held[1] and self.steps % self.refresh_every:
             width, why = held[0], "best"
         else:
+            self._learn()
             width, why = self._decide(bs)
         self.reasons[b, width, why] += 1
         return width
@@ -400,12 +405,36 @@ class WidthPolicy:
         self.refreshes += 1
         return candidates[self.refreshes % len(candidates)]
 
-    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float]) -> None:
-        """One step's accepted-draft counts and, when it was timed, its seconds."""
+    def record(self, width: int, bs: int, accept_lens: Sequence[int], seconds: Optional[float],
+               step: Optional[int] = None) -> None:
+        """One step's accepted-draft counts and, when it was timed, its seconds (``step``: the
+        policy's step count when they arrived, default now)."""
         if seconds is not None:
-            self.costs.observe(width, bs, seconds)
+            self.costs.observe(width, bs, seconds, step)
         if width > 1:
             self.acceptance.update(accept_lens, width)
+
+    @staticmethod
+    def read_timing(timing) -> Optional[float]:
+        """A step's seconds from what :meth:`record_later` was given: here the seconds themselves;
+        the worker reads its CUDA events instead."""
+        return timing
+
+    def record_later(self, width: int, bs: int, accept_lens: Sequence[int], timing) -> None:
+        """:meth:`record`, once the policy next decides (or reports): a step whose width is held
+        reads nothing learned. Several steps learned in one go run the policy's code once warm, not
+        every step cold after the scheduler's own work (session 51, H200: the policy's calls took
+        72 us a step at c32, learning every step). What is decided is the same: every step is
+        learned, in order, before any decision."""
+        self.unlearned.append((width, bs, accept_lens, timing, self.steps))
+        if len(self.unlearned) >= self.MAX_UNLEARNED:
+            self._learn()
+
+    def _learn(self) -> None:
+        if self.unlearned:
+            unlearned, self.unlearned = self.unlearned, []
+            for width, bs, accept_lens, timing, step in unlearned:
+                self.record(width, bs, accept_lens, self.read_timing(timing), step)
 
     def count(self, bs: int, width: int, why: str) -> None:
         """A step whose width was set outside the policy (every request in fallback)."""
@@ -422,6 +451,7 @@ class WidthPolicy:
         width 1 whose least read 12-15% below width 16's, where the requests' retries showed
         what the drafts would have added). Width 1's median, not its least: its first step after a
         verify reads low (session 31)."""
+        self._learn()
         one = self.costs.typical(1, bs)
         others = [s for w in self.widths if w != 1 and (s := self.costs.estimate(w, bs)) is not None]
         if one is None or not others or one * fallen_tokens <= (1 - self.margin) * min(others):
@@ -437,6 +467,7 @@ class WidthPolicy:
 
     def step_ms(self) -> dict[str, float]:
         """The measured step costs, as ``"width@batch bucket": ms``."""
+        self._learn()
         return {f"{w}@{b}": round(s * 1000, 3) for (w, b), s in sorted(self.costs.seconds.items())}
 
     def choices(self) -> dict[str, dict[str, int]]:
@@ -455,6 +486,7 @@ class WidthPolicy:
 
     def acceptance_rates(self) -> list[float]:
         """The running acceptance of drafts 1..B-1, each given the ones before it were accepted."""
+        self._learn()
         return [round(self.acceptance.rate(k), 4) for k in range(1, self.acceptance.block_size)]
 
 
@@ -486,6 +518,11 @@ class CyclingWidths:
         if seconds is not None and self.hold > 1:
             self.seconds.setdefault((width, bucket(bs), switched), deque(maxlen=256)).append(seconds)
 
+    read_timing = staticmethod(WidthPolicy.read_timing)
+
+    def record_later(self, width: int, bs: int, accept_lens: Sequence[int], timing) -> None:
+        self.record(width, bs, accept_lens, self.read_timing(timing))  # it decides nothing: no wait
+
     def count(self, bs: int, width: int, why: str) -> None:
         self.used[width] += 1
 
@@ -511,6 +548,12 @@ class DraftHealth:
     batch's width again; a retry that accepts a draft brings it back. Accept lengths arrive one step
     late (the overlap schedule), so a width is chosen from the history up to the step before. Only
     the requests in the current batch are remembered: one that leaves and comes back starts healthy.
+
+    Its calls run in every decode step's host time (about 23 us a step at c32 on the H200 host,
+    session 51, with a loop over the batch in each): a request's fallback steps are counted from
+    the step it fell back at, so a padded verify's check touches no request unless the batch
+    could be all in fallback (:meth:`all_fallen`), and :meth:`observe` loops over the batch once
+    to find the misses, then only over the requests that missed or are in fallback.
     """
 
     FALLEN_RATE = 0.1  # weight of the newest verify in :attr:`fallen_tokens`
@@ -520,63 +563,78 @@ class DraftHealth:
             raise ValueError("misses and retry_every are at least 1")
         self.misses_to_fallback, self.retry_every = misses, retry_every
         self.misses: dict = {}  # rid -> verified steps in a row without an accepted draft
-        self.fallback_steps: dict = {}  # rid -> steps taken in fallback (absent: healthy)
+        self.fell_at: dict = {}  # rid -> :attr:`steps` when it fell back (absent: healthy)
+        self.steps = 0  # steps asked for widths, full ones (a width-1 batch retries nobody)
         self.pruned_for: Optional[list] = None  # the batch whose departed requests left the tables last
         self.fallback_requests = 0  # requests that went to fallback, counted once per entry
         # Tokens a request in fallback commits when verified with drafts (its retries), a running
         # mean from 1 (drafts that keep failing): what a plain step gives up for the time it saves.
         self.fallen_tokens = 1.0
 
-    def widths(self, rids: Sequence, batch_width: int) -> list[int]:
-        """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
-        # Departed requests leave the tables; nothing to do while the batch and the tables stand.
-        if (self.misses or self.fallback_steps) and rids != self.pruned_for:
+    def _prune(self, rids: Sequence) -> None:
+        """Departed requests leave the tables; nothing to do while the batch and the tables stand."""
+        if (self.misses or self.fell_at) and rids != self.pruned_for:
             live = set(rids)
-            for table in (self.misses, self.fallback_steps):
+            for table in (self.misses, self.fell_at):
                 for rid in table.keys() - live:
                     del table[rid]
             self.pruned_for = list(rids)
-        if not self.fallback_steps or batch_width == 1:
+
+    def _retrying(self, rid) -> bool:
+        return (self.steps - self.fell_at[rid]) % self.retry_every == 0
+
+    def widths(self, rids: Sequence, batch_width: int) -> list[int]:
+        """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
+        self._prune(rids)
+        if batch_width == 1:
+            return [1] * len(rids)
+        self.steps += 1
+        if not self.fell_at:
             return [batch_width] * len(rids)
-        out = []
-        for rid in rids:
-            steps = self.fallback_steps.get(rid)
-            if steps is None:
-                out.append(batch_width)
-                continue
-            self.fallback_steps[rid] = steps + 1
-            out.append(batch_width if (steps + 1) % self.retry_every == 0 else 1)
-        return out
+        fell_at = self.fell_at
+        return [batch_width if rid not in fell_at or self._retrying(rid) else 1 for rid in rids]
+
+    def all_fallen(self, rids: Sequence) -> bool:
+        """Whether every request of this step is in fallback and none retries: :meth:`widths` at a
+        full width, all of them 1, for a step that verifies every request at one width."""
+        self._prune(rids)
+        self.steps += 1
+        if len(self.fell_at) < len(rids):  # the tables hold this batch's requests alone
+            return False
+        return not any(self._retrying(rid) for rid in rids)
 
     def observe(self, rids: Sequence, widths: Sequence[int], accept_lens: Sequence[int]) -> None:
         """One verified step: each request's width and its accepted drafts (the bonus excluded)."""
-        misses, fallback_steps = self.misses, self.fallback_steps  # locals: a loop over the batch each step
-        for rid, width, accepted in zip(rids, widths, accept_lens):
-            if width == 1:
-                continue  # no draft was judged
-            fallen = rid in fallback_steps
-            if fallen:
+        if 1 in widths:  # those at width 1 judged no draft
+            judged = [i for i, w in enumerate(widths) if w > 1]
+            rids, accept_lens = [rids[i] for i in judged], [accept_lens[i] for i in judged]
+        misses, fell_at = self.misses, self.fell_at  # locals: a loop over the batch each step
+        missed = [rid for rid, accepted in zip(rids, accept_lens) if not accepted]
+        if misses and len(missed) < len(rids):  # an accepted draft ends a run of misses
+            gone = set(missed)
+            for rid in [rid for rid in misses if rid not in gone]:
+                del misses[rid]
+        if fell_at:
+            for rid, accepted in [(r, a) for r, a in zip(rids, accept_lens) if r in fell_at]:
                 self.fallen_tokens += self.FALLEN_RATE * (1 + accepted - self.fallen_tokens)
-            if accepted > 0:
-                misses.pop(rid, None)
-                if fallen:
-                    del fallback_steps[rid]
-                continue
-            if fallen:
+                if accepted > 0:
+                    del fell_at[rid]
+        for rid in missed:
+            if rid in fell_at:
                 continue  # a failed retry: stay, and wait for the next one
-            missed = misses.get(rid, 0) + 1
-            if missed == 1:
+            count = misses.get(rid, 0) + 1
+            if count == 1:
                 self.pruned_for = None  # a new entry: the next batch is checked for departures again
-            if missed < self.misses_to_fallback:
-                misses[rid] = missed
+            if count < self.misses_to_fallback:
+                misses[rid] = count
             else:
                 misses.pop(rid, None)
-                fallback_steps[rid] = 0
+                fell_at[rid] = self.steps
                 self.fallback_requests += 1
                 self.pruned_for = None
 
     def in_fallback(self) -> int:
-        return len(self.fallback_steps)
+        return len(self.fell_at)
 
 
 class ForcedFallback:
@@ -605,6 +663,9 @@ class ForcedFallback:
         self.current = len(fell)
         return out
 
+    def all_fallen(self, rids: Sequence) -> bool:
+        return max(self.widths(rids, 2), default=1) == 1
+
     def observe(self, rids: Sequence, widths: Sequence[int], accept_lens: Sequence[int]) -> None:
         pass
 
@@ -627,8 +688,12 @@ def step_widths(policy, fallback, rids: Sequence, bs: int, block_size: int,
     there: masking would only throw tokens away (7% of the accept length on SmolLM2 gsm8k)."""
     if fallback is None:
         return policy.choose(bs), None
-    widths = fallback.widths(rids, block_size)
-    if max(widths, default=1) == 1:
+    if ragged:
+        widths = fallback.widths(rids, block_size)
+        all_fallen = max(widths, default=1) == 1
+    else:  # a padded verify needs no request's own width, only whether all are plain
+        widths, all_fallen = None, fallback.all_fallen(rids)
+    if all_fallen:
         if ragged:
             policy.count(bs, 1, "fallback")
             width = 1
@@ -640,15 +705,16 @@ def step_widths(policy, fallback, rids: Sequence, bs: int, block_size: int,
 
 
 def learn_step(policy, fallback, width: int, bs: int, rids: Sequence, widths: Optional[Sequence[int]],
-               accept_lens: Sequence[int], seconds: Optional[float]) -> None:
-    """What a step of :func:`step_widths` teaches: the fallback each request's accept length, the
-    policy the batch's acceptance by position (from the requests verified at the batch's width)
-    and, when it was timed, the step's cost."""
+               accept_lens: Sequence[int], timing) -> None:
+    """What a step of :func:`step_widths` teaches: the fallback each request's accept length, now
+    (the next step's widths read it), the policy the batch's acceptance by position (from the
+    requests verified at the batch's width) and, when it was timed, the step's cost, by its next
+    decision (``record_later``; ``timing``: seconds or None, or what the policy's ``read_timing`` reads)."""
     if widths is not None:
         fallback.observe(rids, widths, accept_lens)
         if widths.count(width) != len(widths):  # a padded verify checks all at the batch's width
             accept_lens = [a for a, w in zip(accept_lens, widths) if w == width]
-    policy.record(width, bs, accept_lens, seconds)
+    policy.record_later(width, bs, accept_lens, timing)
 
 
 def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):

@@ -171,6 +171,7 @@ class DFlashWorker(BaseSpecWorker):
                 self._fix_the_block(why_not)
             else:
                 self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
+                self.width_policy.read_timing = self.step_seconds  # steps are timed by CUDA events
         # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))
         self.widths_logged_at = 0
@@ -484,22 +485,31 @@ class DFlashWorker(BaseSpecWorker):
     @policy_time
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         """The scheduler's word, in step order, that a step's accept lengths reached the host: the
-        width policy learns that step's acceptance and, once its end is reached, its time, without
-        a sync of its own."""
+        width policy learns that step's acceptance and, once its end is reached, its time (read
+        when the policy next decides: :meth:`step_seconds`), without a sync of its own."""
         if self.width_policy is None or not self.steps_in_flight:
             return
         width, bs, started, ended, request_widths = self.steps_in_flight.popleft()
-        seconds = started.elapsed_time(ended) / 1000 if started is not None and ended.query() else None
-        if started is not None:  # the step before this one was its last reader
-            self.spare_events.append(started)
         rids, widths = request_widths if request_widths is not None else ((), None)
-        learn_step(self.width_policy, self.fallback, width, bs, rids, widths, num_correct_drafts_per_req, seconds)
+        learn_step(self.width_policy, self.fallback, width, bs, rids, widths, num_correct_drafts_per_req,
+                   (started, ended))
         steps = self.width_policy.steps
         if steps % WIDTHS_LOG_EVERY == 0 and steps != self.widths_logged_at:
             self.widths_logged_at = steps
             fell = "" if self.fallback is None else f"; {self.fallback.fallback_requests} requests fell back"
             logger.info("DFLASH verify widths used in %d decode steps: %s%s", steps,
                         ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()), fell)
+
+    def step_seconds(self, timing: tuple) -> Optional[float]:
+        """A decode step's seconds from its ``(started, ended)`` events, or None where it was not
+        timed (its start unknown) or its end is not reached yet. Learned in step order, so the
+        start event, the step before's end, has no reader left: it is recorded again later."""
+        started, ended = timing
+        if started is None:
+            return None
+        seconds = started.elapsed_time(ended) / 1000 if ended.query() else None
+        self.spare_events.append(started)
+        return seconds
 
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""

@@ -607,7 +607,7 @@ def test_draft_health_holds_only_the_batchs_requests_when_accept_lengths_arrive_
             batch.append(next_id)
             next_id += 1
         widths = health.widths(batch, 8)
-        assert set(health.misses) <= set(batch) and set(health.fallback_steps) <= set(batch)
+        assert set(health.misses) <= set(batch) and set(health.fell_at) <= set(batch)
         if late is not None:  # the step before reports now
             health.observe(*late)
         late = (list(batch), widths, [rng.choice((0, 0, 1, 3)) for _ in batch])
@@ -628,6 +628,52 @@ def test_a_refresh_step_at_a_new_bucket_whose_held_width_is_untimed_times_it_and
         accepts = [min(width - 1, int(rng.expovariate(0.4 if step < 3000 else 2.0))) for _ in range(bs)]
         late = (width, bs, accepts, 0.004 + 0.001 * width / 16 + 0.0002 * rng.random())
     assert policy.costs.count(16, 40) >= 3  # timed where it was held
+
+
+def test_a_padded_steps_check_for_a_batch_all_in_fallback_answers_as_the_requests_widths_would():
+    """``all_fallen`` (a padded verify, which needs no request's own width) touches no request
+    unless the batch could be all in fallback; fed the same steps, it answers every step as the
+    per-request widths would, and keeps the same tables and retries."""
+    rng = random.Random(11)
+    by_widths, by_check = DraftHealth(misses=2, retry_every=3), DraftHealth(misses=2, retry_every=3)
+    batch, next_id, late, answers = [], 0, None, Counter()
+    for _ in range(4000):
+        batch = [rid for rid in batch if rng.random() > 0.03]
+        while len(batch) < 4 and rng.random() < 0.3:
+            batch.append(next_id)
+            next_id += 1
+        plain = max(by_widths.widths(batch, 8), default=1) == 1
+        assert by_check.all_fallen(batch) == plain
+        answers[plain] += 1
+        width = 1 if plain else 8
+        if late is not None:
+            by_widths.observe(*late)
+            by_check.observe(*late)
+        late = (list(batch), [width] * len(batch), [0 if width == 1 else rng.choice((0, 0, 0, 2)) for _ in batch])
+        assert (by_check.misses, by_check.fell_at) == (by_widths.misses, by_widths.fell_at)
+    assert answers[True] > 100 and answers[False] > 100 and by_check.fallback_requests == by_widths.fallback_requests
+
+
+def test_what_a_step_teaches_waits_for_the_next_decision_and_decides_as_learning_every_step_would():
+    """``record_later`` keeps a step's lesson until the policy decides (or reports): a held width
+    reads nothing learned. Two policies fed the same steps, one learning at once, choose alike."""
+    rng = random.Random(8)
+    now, later = WidthPolicy(16, (16, 8, 4, 1)), WidthPolicy(16, (16, 8, 4, 1))
+    late, waited = None, 0
+    for step in range(6000):
+        bs = rng.choice((3, 3, 3, 12)) if step < 3000 else 40
+        width = now.choose(bs)
+        assert later.choose(bs) == width
+        if late is not None:
+            now.record(*late)
+            later.record_later(*late)
+            waited = max(waited, len(later.unlearned))
+        accepts = [min(width - 1, int(rng.expovariate(0.4 if step < 3000 else 2.0))) for _ in range(bs)]
+        late = (width, bs, accepts, 0.004 + 0.001 * width / 16 + 0.0002 * rng.random())
+    assert now.reasons == later.reasons and now.widths_used() != {16: 6000}
+    assert 1 < waited <= WidthPolicy.MAX_UNLEARNED
+    assert later.step_ms() == now.step_ms() and later.acceptance_rates() == now.acceptance_rates()
+    assert not later.unlearned
 
 
 def test_step_costs_keep_the_least_of_each_windows_samples():

@@ -359,7 +359,10 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     seen = []
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
-    worker.width_policy = SimpleNamespace(record=lambda *a: seen.append(a), steps=7, widths_used=lambda: {8: 5, 1: 2})
+    def record_later(width, bs, accept_lens, timing):  # as the policy reads it when it next decides
+        seen.append((width, bs, accept_lens, DFlashWorker.step_seconds(worker, timing)))
+
+    worker.width_policy = SimpleNamespace(record_later=record_later, steps=7, widths_used=lambda: {8: 5, 1: 2})
     worker.fallback = None
     worker.spare_events = []
     ends = [Event(5.0), Event(17.0), Event(20.0, done=False)]
@@ -972,12 +975,15 @@ def test_fallback_learns_every_requests_accepts_and_the_policy_only_those_verifi
     fallback = SimpleNamespace(observe=lambda *a: observed.append(a))
     worker = fallback_worker(fallback, None)
     worker.width_policy.record = lambda *a: recorded.append(a)
+    worker.width_policy.read_timing = lambda timing: None
     worker.steps_in_flight.append((8, 3, None, SimpleNamespace(query=lambda: True), (["a", "b", "c"], [8, 1, 8])))
     worker.steps_in_flight.append((1, 3, None, SimpleNamespace(query=lambda: True), (["a", "b", "c"], [1, 1, 1])))
     DFlashWorker.on_verify_complete_cpu(worker, [5, 0, 2], batch_size=3)
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0, 0], batch_size=3)
     assert observed == [(["a", "b", "c"], [8, 1, 8], [5, 0, 2]), (["a", "b", "c"], [1, 1, 1], [0, 0, 0])]
-    assert recorded == [(8, 3, [5, 2], None), (1, 3, [0, 0, 0], None)]  # width 1 judges no draft
+    assert recorded == []  # the policy learns when it next decides
+    worker.width_policy.step_ms()
+    assert recorded == [(8, 3, [5, 2], None, 0), (1, 3, [0, 0, 0], None, 0)]  # width 1 judges no draft
 
 
 @pytest.mark.parametrize("per_position", [False, True])
