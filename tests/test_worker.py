@@ -353,7 +353,9 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
         def query(self):
             return self.done
 
-        def elapsed_time(self, end):
+        def elapsed_time(self, end):  # as torch's: both ends reached, or RuntimeError
+            if not (self.query() and end.query()):
+                raise RuntimeError("Both events must be completed before calculating elapsed time.")
             return end.t - self.t
 
     seen = []
