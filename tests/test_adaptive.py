@@ -630,6 +630,30 @@ def test_a_refresh_step_at_a_new_bucket_whose_held_width_is_untimed_times_it_and
     assert policy.costs.count(16, 40) >= 3  # timed where it was held
 
 
+def test_the_policy_and_the_fallback_serve_random_traffic_without_an_error():
+    """Batch sizes that jump between buckets, untimed steps, acceptance from none to all, requests
+    coming and going, accept lengths a step late, for several width sets: no call raises. Before
+    931cc58, 5 of these 40 traffic patterns raised TypeError (a refresh step at a new bucket)."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        widths = rng.choice([(16, 8, 4, 2, 1), (16, 8, 4, 1), (8, 4, 2, 1), (16, 1), (16, 8)])
+        policy, health = WidthPolicy(max(widths), widths), (DraftHealth() if 1 in widths else None)
+        late, bs, first = None, rng.randint(1, 64), 0
+        for _ in range(2000):
+            if rng.random() < 0.02:
+                bs = rng.randint(1, 64)
+            rids = list(range(first, first + bs))
+            first += rng.random() < 0.1  # the oldest request leaves, a new one joins
+            width, per_request = step_widths(policy, health, rids, bs, max(widths))
+            assert width in widths
+            if late is not None:
+                learn_step(policy, health, *late)
+            rate = rng.random() + 0.05
+            accepts = [min(width - 1, int(rng.expovariate(rate))) for _ in rids]
+            seconds = None if rng.random() < 0.05 else (0.002 + 0.003 * width / 16 * rng.uniform(0.5, 2)) * (1 + bs / 64)
+            late = (width, bs, rids, per_request, accepts, seconds)
+
+
 def test_a_padded_steps_check_for_a_batch_all_in_fallback_answers_as_the_requests_widths_would():
     """``all_fallen`` (a padded verify, which needs no request's own width) touches no request
     unless the batch could be all in fallback; fed the same steps, it answers every step as the
