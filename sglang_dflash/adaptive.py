@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from itertools import compress
+from operator import not_
 from typing import Optional, Sequence
 
 
@@ -608,14 +610,14 @@ class DraftHealth:
         if 1 in widths:  # those at width 1 judged no draft
             judged = [i for i, w in enumerate(widths) if w > 1]
             rids, accept_lens = [rids[i] for i in judged], [accept_lens[i] for i in judged]
-        misses, fell_at = self.misses, self.fell_at  # locals: a loop over the batch each step
-        missed = [rid for rid, accepted in zip(rids, accept_lens) if not accepted]
+        misses, fell_at = self.misses, self.fell_at
+        missed = list(compress(rids, map(not_, accept_lens)))  # C loops over the batch: no bytecode a request
         if misses and len(missed) < len(rids):  # an accepted draft ends a run of misses
             gone = set(missed)
             for rid in [rid for rid in misses if rid not in gone]:
                 del misses[rid]
         if fell_at:
-            for rid, accepted in [(r, a) for r, a in zip(rids, accept_lens) if r in fell_at]:
+            for rid, accepted in list(compress(zip(rids, accept_lens), map(fell_at.__contains__, rids))):
                 self.fallen_tokens += self.FALLEN_RATE * (1 + accepted - self.fallen_tokens)
                 if accepted > 0:
                     del fell_at[rid]

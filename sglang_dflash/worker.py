@@ -45,6 +45,7 @@ import contextlib
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Optional
 
 import torch
@@ -78,6 +79,7 @@ logger = logging.getLogger("sglang_dflash")
 
 MASK_TOKEN = "<|MASK|>"
 WIDTHS_LOG_EVERY = 2000  # decode steps between two log lines of the verify widths used (adaptive width)
+RID = attrgetter("rid")  # a request's id, read by a C loop over the batch every decode step
 
 
 @dataclass
@@ -467,7 +469,7 @@ class DFlashWorker(BaseSpecWorker):
         width each request is verified at (:func:`~sglang_dflash.adaptive.step_widths`)."""
         if self.width_policy is None:
             return self.block_size, None
-        rids = [req.rid for req in batch.reqs] if self.fallback is not None else ()
+        rids = list(map(RID, batch.reqs)) if self.fallback is not None else ()
         width, widths = step_widths(self.width_policy, self.fallback, rids, bs, self.block_size, self.ragged)
         return width, (None if widths is None else (rids, widths))
 
