@@ -109,11 +109,10 @@ class StepCosts:
         self.least_ever: dict[tuple[int, int], float] = {}  # what bounds the other keys
         self.seen: set = set()  # keys whose first step was left out
         self.window = window
-        self.now = 0  # the policy's step count, set by the policy
         self.order = 0  # samples observed so far, of every key: which of two was timed first
 
-    def observe(self, width: int, bs: int, seconds: float, step: Optional[int] = None) -> None:
-        """One step's seconds; ``step``: the policy's step count when they arrived (default: now)."""
+    def observe(self, width: int, bs: int, seconds: float, step: int = 0) -> None:
+        """One step's seconds; ``step``: the policy's step count when they arrived."""
         key = (width, bucket(bs))
         samples = self.samples.get(key)
         if samples is None:
@@ -124,7 +123,7 @@ class StepCosts:
         self.order += 1
         # The least of the window kept as samples arrive: scanned again only when it leaves.
         leaving = samples[0][2] if len(samples) == self.window else None
-        samples.append((self.order, self.now if step is None else step, seconds))
+        samples.append((self.order, step, seconds))
         least = self.seconds.get(key)
         if least is None or seconds <= least:
             self.seconds[key] = seconds
@@ -235,7 +234,6 @@ class WidthPolicy:
 
     def choose(self, bs: int) -> int:
         self.steps += 1
-        self.costs.now = self.steps
         b = bucket(bs)
         held = self.settled.get(b)
         if held is not None and self.steps < held[1] and self.steps % self.refresh_every:
@@ -412,7 +410,7 @@ class WidthPolicy:
         """One step's accepted-draft counts and, when it was timed, its seconds (``step``: the
         policy's step count when they arrived, default now)."""
         if seconds is not None:
-            self.costs.observe(width, bs, seconds, step)
+            self.costs.observe(width, bs, seconds, self.steps if step is None else step)
         if width > 1:
             self.acceptance.update(accept_lens, width)
 
