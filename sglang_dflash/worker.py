@@ -74,6 +74,7 @@ from .host_pauses import StepStalls, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import HalfVerifyLogits, OutputCounts, argmax_only, to_device_async
+from .step_clock import StepClock, driver_elapsed_ms
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -167,13 +168,14 @@ class DFlashWorker(BaseSpecWorker):
         self.head_in_graph = False
         self.widths = verify_widths(self.block_size)
         self.width_policy = None  # None: a fixed block
+        self.clock = StepClock(driver_elapsed_ms())  # times decode steps for the width policy
         if len(self.widths) > 1:
             why_not = self._adaptive_width_unserved(server_args)
             if why_not is not None:
                 self._fix_the_block(why_not)
             else:
                 self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
-                self.width_policy.read_timing = self.step_seconds  # steps are timed by CUDA events
+                self.width_policy.read_timing = self.clock.seconds  # steps are timed by CUDA events
         # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))
         self.widths_logged_at = 0
@@ -183,10 +185,9 @@ class DFlashWorker(BaseSpecWorker):
             raise DFlashConfigError(RAGGED_ENV, "needs the per-request fallback (SGLANG_DFLASH_WIDTHS holding 1)")
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
-        # (width, bs, start, end, (rids, per-request widths) or None) of the steps whose accept lengths are due
+        # (width, bs, (start, end) events, (rids, per-request widths) or None) of the steps whose
+        # accept lengths are due
         self.steps_in_flight: deque = deque()
-        self.last_step_end: Optional[torch.cuda.Event] = None  # the decode step before, if nothing ran between
-        self.spare_events: list = []  # timing events read already, recorded again rather than made anew
         # Decode steps, and the drafts and verifies among them that ran outside CUDA graphs (each one
         # slows a host-bound server down).
         self.decode_steps, self.eager_drafts = 0, 0
@@ -402,13 +403,13 @@ class DFlashWorker(BaseSpecWorker):
 
     def _step(self, batch, mode: str, on_publish, grammar_barrier) -> GenerationBatchResult:
         if mode == "extend":
-            self.last_step_end = None  # the next decode step's time would include this prefill
+            self.clock.forget()  # the next decode step's time would include this prefill
             self.pauses.mark_serving()  # full collections from here on hold requests up
             return self.prefill_step(batch, on_publish)
         if batch.spec_info is None:
             batch.spec_info = draft_input_class().create_idle_input(device=self.device)
         if mode == "idle":
-            self.last_step_end = None
+            self.clock.forget()
             return self._idle_result(on_publish)
 
         stream = torch.cuda.current_stream()  # once a step: building it was most of time_step's 33 us traced
@@ -475,45 +476,26 @@ class DFlashWorker(BaseSpecWorker):
 
     @policy_time
     def time_step(self, width: int, bs: int, request_widths: Optional[tuple] = None, stream=None) -> None:
-        """A step's cost is the GPU time from the previous decode step's end to its own: what it
-        adds to the stream, host gaps included (with no draft pass to hide behind, a width-1
-        step's launch can leave the GPU waiting). After a prefill or an idle turn there is no
-        previous end, and the step is not timed. ``stream``: the step's stream, when the caller has it."""
-        ended = self.spare_events.pop() if self.spare_events else torch.cuda.Event(enable_timing=True)
-        ended.record(stream)
-        self.steps_in_flight.append((width, bs, self.last_step_end, ended, request_widths))
-        self.last_step_end = ended
+        """Stamps the step's end (:class:`~sglang_dflash.step_clock.StepClock`) and keeps it in
+        flight until its accept lengths come. ``stream``: the step's stream, when the caller has it."""
+        self.steps_in_flight.append((width, bs, self.clock.stamp(stream), request_widths))
 
     @policy_time
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         """The scheduler's word, in step order, that a step's accept lengths reached the host: the
         width policy learns that step's acceptance and, once its end is reached, its time (read
-        when the policy next decides: :meth:`step_seconds`), without a sync of its own."""
+        when the policy next decides: :meth:`StepClock.seconds`), without a sync of its own."""
         if self.width_policy is None or not self.steps_in_flight:
             return
-        width, bs, started, ended, request_widths = self.steps_in_flight.popleft()
+        width, bs, timing, request_widths = self.steps_in_flight.popleft()
         rids, widths = request_widths if request_widths is not None else ((), None)
-        learn_step(self.width_policy, self.fallback, width, bs, rids, widths, num_correct_drafts_per_req,
-                   (started, ended))
+        learn_step(self.width_policy, self.fallback, width, bs, rids, widths, num_correct_drafts_per_req, timing)
         steps = self.width_policy.steps
         if steps % WIDTHS_LOG_EVERY == 0 and steps != self.widths_logged_at:
             self.widths_logged_at = steps
             fell = "" if self.fallback is None else f"; {self.fallback.fallback_requests} requests fell back"
             logger.info("DFLASH verify widths used in %d decode steps: %s%s", steps,
                         ", ".join(f"{w}: {n}" for w, n in self.width_policy.widths_used().items()), fell)
-
-    def step_seconds(self, timing: tuple) -> Optional[float]:
-        """A decode step's seconds from its ``(started, ended)`` events, or None where it was not
-        timed (its start unknown) or its end is not reached yet. Learned in step order, so the
-        start event, the step before's end, has no reader left: it is recorded again later."""
-        started, ended = timing
-        if started is None:
-            return None
-        self.spare_events.append(started)
-        try:  # torch checks that both ends were reached (each query a CUDA call, 4 us in a busy server)
-            return started.elapsed_time(ended) / 1000
-        except RuntimeError:  # its end is not reached yet
-            return None
 
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""

@@ -344,6 +344,7 @@ def test_the_scheduler_is_shown_every_backend_a_step_runs_on_and_which_need_host
 def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_host():
     from collections import deque
 
+    from sglang_dflash.step_clock import StepClock
     from sglang_dflash.worker import DFlashWorker
 
     class Event:
@@ -361,28 +362,29 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     seen = []
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
+    worker.clock = StepClock()  # torch's reading
     def record_later(width, bs, accept_lens, timing):  # as the policy reads it when it next decides
-        seen.append((width, bs, accept_lens, DFlashWorker.step_seconds(worker, timing)))
+        seen.append((width, bs, accept_lens, worker.clock.seconds(timing)))
 
     worker.width_policy = SimpleNamespace(record_later=record_later, steps=7, widths_used=lambda: {8: 5, 1: 2})
     worker.fallback = None
-    worker.spare_events = []
     ends = [Event(5.0), Event(17.0), Event(20.0, done=False)]
-    worker.steps_in_flight = deque([(8, 2, None, ends[0], None), (8, 2, ends[0], ends[1], None),
-                                    (1, 2, ends[1], ends[2], None)])
+    worker.steps_in_flight = deque([(8, 2, (None, ends[0]), None), (8, 2, (ends[0], ends[1]), None),
+                                    (1, 2, (ends[1], ends[2]), None)])
     DFlashWorker.on_verify_complete_cpu(worker, [1, 1], batch_size=2)  # the first after a prefill: not timed
     DFlashWorker.on_verify_complete_cpu(worker, [3, 0], batch_size=2)  # from the step before's end to its own
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # its end not reached: no time
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)  # nothing in flight (a prefill's)
     assert seen == [(8, 2, [1, 1], None), (8, 2, [3, 0], 0.012), (1, 2, [0, 0], None)]
     assert not worker.steps_in_flight
-    assert worker.spare_events == ends[:2]  # each start event, once read, is recorded again later
+    assert worker.clock.spare == ends[:2]  # each start event, once read, is recorded again later
 
 
 def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_breaks_the_chain(monkeypatch):
     from collections import deque
 
-    import sglang_dflash.worker as worker_mod
+    import sglang_dflash.step_clock as clock_mod
+    from sglang_dflash.step_clock import StepClock
     from sglang_dflash.worker import DFlashWorker
 
     class Event:
@@ -392,24 +394,24 @@ def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_br
         def record(self, stream=None):
             self.stream = stream
 
-    monkeypatch.setattr(worker_mod.torch.cuda, "Event", Event)
+    monkeypatch.setattr(clock_mod.torch.cuda, "Event", Event)
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
-    worker.steps_in_flight, worker.last_step_end, worker.spare_events = deque(), None, []
+    worker.steps_in_flight, worker.clock = deque(), StepClock()
     DFlashWorker.time_step(worker, 16, 4)
     DFlashWorker.time_step(worker, 1, 4)
-    (_, _, start0, end0, _), (_, _, start1, end1, _) = worker.steps_in_flight
-    assert start0 is None and start1 is end0 and worker.last_step_end is end1
+    (_, _, (start0, end0), _), (_, _, (start1, end1), _) = worker.steps_in_flight
+    assert start0 is None and start1 is end0 and worker.clock.last_end is end1
     spare = Event(True)
-    worker.spare_events.append(spare)
+    worker.clock.spare.append(spare)
     DFlashWorker.time_step(worker, 16, 4)
-    assert worker.steps_in_flight[-1][3] is spare and not worker.spare_events  # reused, not made anew
+    assert worker.steps_in_flight[-1][2][1] is spare and not worker.clock.spare  # reused, not made anew
     DFlashWorker.time_step(worker, 16, 4, None, "the step's stream")
-    assert worker.last_step_end.stream == "the step's stream"  # recorded where the step ran
+    assert worker.clock.last_end.stream == "the step's stream"  # recorded where the step ran
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), is_extend_in_batch=True)
     worker.prefill_step = lambda batch, on_publish: "prefilled"
     worker.pauses = SimpleNamespace(serving=False, mark_serving=lambda: setattr(worker.pauses, "serving", True))
-    assert DFlashWorker.forward_batch_generation(worker, batch) == "prefilled" and worker.last_step_end is None
+    assert DFlashWorker.forward_batch_generation(worker, batch) == "prefilled" and worker.clock.last_end is None
     assert worker.pauses.serving  # from the first request on, full collections count as serving ones
 
 
@@ -503,12 +505,11 @@ def test_the_log_says_which_widths_were_used_how_often(monkeypatch, caplog):
     monkeypatch.setattr(worker_mod, "WIDTHS_LOG_EVERY", 4)
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
-    worker.width_policy, worker.steps_in_flight, worker.spare_events = CyclingWidths((16, 4, 1)), deque(), []
+    worker.width_policy, worker.steps_in_flight = CyclingWidths((16, 4, 1)), deque()
     worker.fallback, worker.widths_logged_at = None, 0
-    done = SimpleNamespace(query=lambda: False)
     with caplog.at_level("INFO", logger="sglang_dflash"):
         for _ in range(8):
-            worker.steps_in_flight.append((worker.width_policy.choose(2), 2, done, done, None))
+            worker.steps_in_flight.append((worker.width_policy.choose(2), 2, (None, None), None))
             DFlashWorker.on_verify_complete_cpu(worker, [0, 0], batch_size=2)
     assert [r.getMessage() for r in caplog.records] == [
         "DFLASH verify widths used in 4 decode steps: 16: 2, 4: 1, 1: 1",
@@ -978,8 +979,8 @@ def test_fallback_learns_every_requests_accepts_and_the_policy_only_those_verifi
     worker = fallback_worker(fallback, None)
     worker.width_policy.record = lambda *a: recorded.append(a)
     worker.width_policy.read_timing = lambda timing: None
-    worker.steps_in_flight.append((8, 3, None, SimpleNamespace(query=lambda: True), (["a", "b", "c"], [8, 1, 8])))
-    worker.steps_in_flight.append((1, 3, None, SimpleNamespace(query=lambda: True), (["a", "b", "c"], [1, 1, 1])))
+    worker.steps_in_flight.append((8, 3, (None, None), (["a", "b", "c"], [8, 1, 8])))
+    worker.steps_in_flight.append((1, 3, (None, None), (["a", "b", "c"], [1, 1, 1])))
     DFlashWorker.on_verify_complete_cpu(worker, [5, 0, 2], batch_size=3)
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0, 0], batch_size=3)
     assert observed == [(["a", "b", "c"], [8, 1, 8], [5, 0, 2]), (["a", "b", "c"], [1, 1, 1], [0, 0, 0])]
