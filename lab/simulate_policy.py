@@ -142,10 +142,10 @@ def cuda_calls(calls=2000):
     clock("event record", lambda: [e.record(stream) for e in events])
     clock("event query", lambda: [e.query() for e in events])
     clock("event elapsed_time", lambda: [a.elapsed_time(b) for a, b in zip(events, events[1:] + events[:1])])
-    from sglang_dflash.step_clock import StepClock, driver_elapsed_ms
+    from sglang_dflash.step_clock import StepClock
 
-    step_clock = StepClock(driver_elapsed_ms())
-    clock("StepClock.seconds (driver)", lambda: [step_clock.seconds(pair) for pair in zip(events, events[1:] + events[:1])])
+    step_clock = StepClock()
+    clock("StepClock.seconds", lambda: [step_clock.seconds(pair) for pair in zip(events, events[1:] + events[:1])])
     clock("current_stream", lambda: [torch.cuda.current_stream() for _ in range(calls)])
     clock("kernel launch (add_)", lambda: [x.add_(1) for _ in range(calls)])
     print(", ".join(f"{name} {us:.2f} us" for name, us in timed.items()))

@@ -74,7 +74,7 @@ from .host_pauses import StepStalls, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import HalfVerifyLogits, OutputCounts, argmax_only, to_device_async
-from .step_clock import StepClock, driver_elapsed_ms
+from .step_clock import StepClock
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -168,7 +168,7 @@ class DFlashWorker(BaseSpecWorker):
         self.head_in_graph = False
         self.widths = verify_widths(self.block_size)
         self.width_policy = None  # None: a fixed block
-        self.clock = StepClock(driver_elapsed_ms())  # times decode steps for the width policy
+        self.clock = StepClock()  # times decode steps for the width policy
         if len(self.widths) > 1:
             why_not = self._adaptive_width_unserved(server_args)
             if why_not is not None:
