@@ -549,83 +549,57 @@ class DraftHealth:
     late (the overlap schedule), so a width is chosen from the history up to the step before. Only
     the requests in the current batch are remembered: one that leaves and comes back starts healthy.
 
-    Its calls run in every decode step's host time (about 25 us a step at c32 on the H200 host,
-    session 51, the tables touched each step after the scheduler's own work). So the steps wait,
-    in order, until a step's widths need them (:meth:`_apply`, at most ``MAX_PENDING`` steps): a
-    padded verify only asks whether the whole batch is in fallback (:meth:`all_fallen`), and no
-    request is while one that accepted a draft in the newest step is still in the batch.
+    Its calls run in every decode step's host time (about 23 us a step at c32 on the H200 host,
+    session 51, with a loop over the batch in each): a request's fallback steps are counted from
+    the step it fell back at, so a padded verify's check touches no request unless the batch
+    could be all in fallback (:meth:`all_fallen`), and :meth:`observe` loops over the batch once
+    to find the misses, then only over the requests that missed or are in fallback.
     """
 
     FALLEN_RATE = 0.1  # weight of the newest verify in :attr:`fallen_tokens`
-    MAX_PENDING = 32  # steps (observations and batches) that may wait for :meth:`_apply`
 
     def __init__(self, misses: int = 4, retry_every: int = 16):
         if misses < 1 or retry_every < 1:
             raise ValueError("misses and retry_every are at least 1")
         self.misses_to_fallback, self.retry_every = misses, retry_every
-        self._misses: dict = {}  # rid -> verified steps in a row without an accepted draft
-        self._fell_at: dict = {}  # rid -> :attr:`steps` when it fell back (absent: healthy)
+        self.misses: dict = {}  # rid -> verified steps in a row without an accepted draft
+        self.fell_at: dict = {}  # rid -> :attr:`steps` when it fell back (absent: healthy)
         self.steps = 0  # steps asked for widths, full ones (a width-1 batch retries nobody)
         self.pruned_for: Optional[list] = None  # the batch whose departed requests left the tables last
-        self._fallback_requests = 0
-        self._fallen_tokens = 1.0
-        # Not applied yet, in the order they came: (rids, accept lens, steps) a verified step's
-        # judged requests, (rids,) a batch whose departed requests leave the tables.
-        self.pending: list = []
-        self.healthy = None  # a request that accepted a draft in the newest verified step
+        self.fallback_requests = 0  # requests that went to fallback, counted once per entry
+        # Tokens a request in fallback commits when verified with drafts (its retries), a running
+        # mean from 1 (drafts that keep failing): what a plain step gives up for the time it saves.
+        self.fallen_tokens = 1.0
 
-    # What the tables say once every pending step is applied.
-    @property
-    def misses(self) -> dict:
-        self._apply()
-        return self._misses
+    def _prune(self, rids: Sequence) -> None:
+        """Departed requests leave the tables; nothing to do while the batch and the tables stand."""
+        if (self.misses or self.fell_at) and rids != self.pruned_for:
+            live = set(rids)
+            for table in (self.misses, self.fell_at):
+                for rid in table.keys() - live:
+                    del table[rid]
+            self.pruned_for = list(rids)
 
-    @property
-    def fell_at(self) -> dict:
-        self._apply()
-        return self._fell_at
-
-    @property
-    def fallback_requests(self) -> int:
-        """Requests that went to fallback, counted once per entry."""
-        self._apply()
-        return self._fallback_requests
-
-    @property
-    def fallen_tokens(self) -> float:
-        """Tokens a request in fallback commits when verified with drafts (its retries), a running
-        mean from 1 (drafts that keep failing): what a plain step gives up for the time it saves."""
-        self._apply()
-        return self._fallen_tokens
-
-    def in_fallback(self) -> int:
-        return len(self.fell_at)
+    def _retrying(self, rid) -> bool:
+        return (self.steps - self.fell_at[rid]) % self.retry_every == 0
 
     def widths(self, rids: Sequence, batch_width: int) -> list[int]:
         """This step's width per request: ``batch_width``, or 1 in fallback except on a retry."""
-        self._apply()
         self._prune(rids)
         if batch_width == 1:
             return [1] * len(rids)
         self.steps += 1
-        if not self._fell_at:
+        if not self.fell_at:
             return [batch_width] * len(rids)
-        fell_at = self._fell_at
+        fell_at = self.fell_at
         return [batch_width if rid not in fell_at or self._retrying(rid) else 1 for rid in rids]
 
     def all_fallen(self, rids: Sequence) -> bool:
         """Whether every request of this step is in fallback and none retries: :meth:`widths` at a
         full width, all of them 1, for a step that verifies every request at one width."""
-        self.steps += 1
-        if self.healthy is not None and self.healthy in rids and len(self.pending) < self.MAX_PENDING:
-            # Out of fallback after the newest verified step, whatever the steps before did, and
-            # pruning only removes: not all are in fallback. The batch waits with the steps (a copy:
-            # the caller's list may change before then).
-            self.pending.append((list(rids),))
-            return False
-        self._apply()
         self._prune(rids)
-        if len(self._fell_at) < len(rids):  # the tables hold this batch's requests alone
+        self.steps += 1
+        if len(self.fell_at) < len(rids):  # the tables hold this batch's requests alone
             return False
         return not any(self._retrying(rid) for rid in rids)
 
@@ -634,40 +608,7 @@ class DraftHealth:
         if 1 in widths:  # those at width 1 judged no draft
             judged = [i for i, w in enumerate(widths) if w > 1]
             rids, accept_lens = [rids[i] for i in judged], [accept_lens[i] for i in judged]
-        if not rids:
-            return  # a step that judged no draft changes nothing
-        # The newest such request (SGLang appends new requests to the batch): the likeliest to stay.
-        self.healthy = next(compress(reversed(rids), reversed(accept_lens)), None)
-        self.pending.append((rids, accept_lens, self.steps))
-        if len(self.pending) >= self.MAX_PENDING:
-            self._apply()
-
-    def _apply(self) -> None:
-        """The pending steps, in order, as each would have been applied when it came."""
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        for step in pending:
-            if len(step) == 1:
-                self._prune(step[0])
-            else:
-                self._observe(*step)
-
-    def _prune(self, rids: Sequence) -> None:
-        """Departed requests leave the tables; nothing to do while the batch and the tables stand."""
-        if (self._misses or self._fell_at) and rids != self.pruned_for:
-            live = set(rids)
-            for table in (self._misses, self._fell_at):
-                for rid in table.keys() - live:
-                    del table[rid]
-            self.pruned_for = list(rids)
-
-    def _retrying(self, rid) -> bool:
-        return (self.steps - self._fell_at[rid]) % self.retry_every == 0
-
-    def _observe(self, rids: Sequence, accept_lens: Sequence[int], steps: int) -> None:
-        """One verified step's judged requests, at ``steps`` (:attr:`steps` when it came)."""
-        misses, fell_at = self._misses, self._fell_at
+        misses, fell_at = self.misses, self.fell_at
         missed = list(compress(rids, map(not_, accept_lens)))  # C loops over the batch: no bytecode a request
         if misses and len(missed) < len(rids):  # an accepted draft ends a run of misses
             gone = set(missed)
@@ -675,7 +616,7 @@ class DraftHealth:
                 del misses[rid]
         if fell_at:
             for rid, accepted in list(compress(zip(rids, accept_lens), map(fell_at.__contains__, rids))):
-                self._fallen_tokens += self.FALLEN_RATE * (1 + accepted - self._fallen_tokens)
+                self.fallen_tokens += self.FALLEN_RATE * (1 + accepted - self.fallen_tokens)
                 if accepted > 0:
                     del fell_at[rid]
         for rid in missed:
@@ -688,9 +629,12 @@ class DraftHealth:
                 misses[rid] = count
             else:
                 misses.pop(rid, None)
-                fell_at[rid] = steps
-                self._fallback_requests += 1
+                fell_at[rid] = self.steps
+                self.fallback_requests += 1
                 self.pruned_for = None
+
+    def in_fallback(self) -> int:
+        return len(self.fell_at)
 
 
 class ForcedFallback:

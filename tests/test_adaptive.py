@@ -654,42 +654,6 @@ def test_the_policy_and_the_fallback_serve_random_traffic_without_an_error():
             late = (width, bs, rids, per_request, accepts, seconds)
 
 
-def test_the_fallback_applies_its_steps_late_and_answers_and_counts_as_applying_each_at_once():
-    """Steps wait in :attr:`DraftHealth.pending` while a request that accepted a draft in the newest
-    step stays in the batch; fed the same padded steps (requests leaving, some coming back under their
-    old ids, reports a step late, plain steps), it answers every step and ends with the same tables,
-    counts and retries as a fallback that applies each step when it comes (``MAX_PENDING`` 0)."""
-    rng = random.Random(5)
-    late_health, at_once = DraftHealth(misses=2, retry_every=3), DraftHealth(misses=2, retry_every=3)
-    at_once.MAX_PENDING = 0
-    batch, left, next_id, late, waited = [], [], 0, None, 0
-    for step in range(6000):
-        for rid in [rid for rid in batch if rng.random() < 0.04]:
-            batch.remove(rid)
-            left.append(rid)
-        while len(batch) < 6 and rng.random() < 0.4:
-            if left and rng.random() < 0.3:  # retracted, then back
-                batch.append(left.pop(rng.randrange(len(left))))
-            else:
-                batch.append(next_id)
-                next_id += 1
-        waited += len(late_health.pending) > 0
-        plain = at_once.all_fallen(batch)
-        assert late_health.all_fallen(batch) == plain
-        width = 1 if plain else 8
-        if late is not None:
-            late_health.observe(*late)
-            at_once.observe(*late)
-        p = 0.05 if (step // 500) % 2 else 0.5  # stretches of failing drafts
-        late = (list(batch), [width] * len(batch), [0 if width == 1 or rng.random() > p else 2 for _ in batch])
-        if step % 997 == 0:
-            assert (late_health.misses, late_health.fell_at) == (at_once.misses, at_once.fell_at)
-    assert waited > 3000 and not at_once.pending
-    assert (late_health.misses, late_health.fell_at) == (at_once.misses, at_once.fell_at)
-    assert late_health.fallback_requests == at_once.fallback_requests > 100
-    assert late_health.fallen_tokens == at_once.fallen_tokens and late_health.steps == at_once.steps
-
-
 def test_a_padded_steps_check_for_a_batch_all_in_fallback_answers_as_the_requests_widths_would():
     """``all_fallen`` (a padded verify, which needs no request's own width) touches no request
     unless the batch could be all in fallback; fed the same steps, it answers every step as the
