@@ -1,5 +1,6 @@
 """The benchmark (sglang_dflash.bench) and the dataset cache, against a fake SGLang server started by the tests."""
 
+import functools
 import glob
 import gzip
 import json
@@ -851,27 +852,52 @@ def test_an_interleaved_sweep_keeps_each_finished_level_if_cut_off(tmp_path, cha
     assert [(r["label"], r["concurrency"]) for r in seen["rows"]] == [("ar", 1)]
 
 
-def test_a_time_budget_keeps_the_waves_finished_and_skips_the_later_levels(tmp_path, chat_model, data_dir,
-                                                                             monkeypatch, capsys):
+def budget_on_a_wave_clock(monkeypatch, seconds_a_wave_call):
+    """The sweep's TimeBudget on a clock that each server's timed wave moves on by ``seconds_a_wave_call``."""
+    clock, run = [0.0], sweep.run_requests
+
+    def timed(url, work, conc, desc=""):
+        if " wave " in desc:
+            clock[0] += seconds_a_wave_call
+        return run(url, work, conc, desc)
+
     monkeypatch.setattr(ServerSpec, "command", lambda self, port: [sys.executable, FAKE, "--port", str(port)])
-    timed, run = [], sweep.run_requests
-    monkeypatch.setattr(sweep, "run_requests",
-                        lambda url, work, conc, desc="": (" wave " in desc and timed.append(desc)) or
-                        run(url, work, conc, desc))
-    monkeypatch.setattr(sweep.TimeBudget, "spent", lambda self: len(timed) >= 4)  # after two waves of each
+    monkeypatch.setattr(sweep, "run_requests", timed)
+    monkeypatch.setattr(sweep, "TimeBudget", functools.partial(sweep.TimeBudget, clock=lambda: clock[0]))
+
+
+def test_a_time_budget_gives_each_level_a_share_and_keeps_the_waves_finished(tmp_path, chat_model, data_dir,
+                                                                              monkeypatch, capsys):
+    """Two servers, 100 s a wave, 600 s: c1 measures in half (3 of its 4 waves), c2 in what is left.
+    A sweep that let c1 run all its waves would have left c2 two."""
+    budget_on_a_wave_clock(monkeypatch, 50)
+    assert sweep.main(["--model-path", chat_model, "--impls", "ar,plugin@4", "--draft-model-path", "d",
+                       "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
+                       "--waves", "4", "--concurrencies", "1,2", "--time-budget", "600", "--output-dir",
+                       str(tmp_path), "--startup-timeout", "30"]) == 0
+    res = json.load(open(tmp_path / "results.json"))
+    assert [(r["label"], r["concurrency"], len(r["wave_tok_s"]), r["requests"]) for r in res["rows"]] == \
+        [("ar", 1, 3, 3), ("plugin-b4", 1, 3, 3), ("ar", 2, 3, 6), ("plugin-b4", 2, 3, 6)]
+    assert all(r["time_budget_cut"] == {"waves_run": 3, "waves_planned": 4} for r in res["rows"])
+    assert res["settings"]["time_budget_outcome"]["levels_cut"] == [
+        {"level": "gsm8k c1", "waves_run": 3, "waves_planned": 4}, {"level": "gsm8k c2", "waves_run": 3, "waves_planned": 4}]
+    assert "[sweep] time budget: gsm8k c1 keeps 3 of 4 waves" in capsys.readouterr().out
+
+
+def test_a_spent_time_budget_skips_the_later_levels(tmp_path, chat_model, data_dir, monkeypatch, capsys):
+    budget_on_a_wave_clock(monkeypatch, 350)  # one wave of the two servers spends it all
     assert sweep.main(["--model-path", chat_model, "--impls", "ar,plugin@4", "--draft-model-path", "d",
                        "--interleave", "--datasets", "gsm8k", "--data-dir", data_dir, "--num-prompts", "3",
                        "--concurrencies", "1,2", "--time-budget", "600", "--output-dir", str(tmp_path),
                        "--startup-timeout", "30"]) == 0
     res = json.load(open(tmp_path / "results.json"))
     assert [(r["label"], r["concurrency"], len(r["wave_tok_s"]), r["requests"]) for r in res["rows"]] == \
-        [("ar", 1, 2, 2), ("plugin-b4", 1, 2, 2)]
-    assert all(r["time_budget_cut"] == {"waves_run": 2, "waves_planned": 3} for r in res["rows"])
+        [("ar", 1, 1, 1), ("plugin-b4", 1, 1, 1)]
     assert res["settings"]["time_budget_outcome"] == {
         "seconds": 600.0, "servers_not_started": [],
-        "levels_cut": [{"level": "gsm8k c1", "waves_run": 2, "waves_planned": 3}], "levels_not_run": ["gsm8k c2"]}
+        "levels_cut": [{"level": "gsm8k c1", "waves_run": 1, "waves_planned": 3}], "levels_not_run": ["gsm8k c2"]}
     out = capsys.readouterr().out
-    assert "[sweep] time budget spent: gsm8k c1 keeps 2 of 3 waves" in out
+    assert "[sweep] time budget: gsm8k c1 keeps 1 of 3 waves" in out
     assert "[sweep] time budget spent: gsm8k c2 not run" in out
 
 

@@ -132,8 +132,9 @@ def build_parser():
     ap.add_argument("--time-budget", type=float, metavar="SECONDS",
                     help="with --interleave: what the whole sweep may take (below the command's own time limit). "
                          "A server after the first starts only if the slowest start so far would still leave a "
-                         "third of the budget to measure in; once the budget is spent the level under way keeps "
-                         "the waves it finished (time_budget_cut in results.json) and later levels are skipped")
+                         "third of the budget to measure in; each level measures in an equal share of what is left "
+                         "and keeps the waves it finished (time_budget_cut in results.json); once the budget is "
+                         "spent later levels are skipped")
     ap.add_argument("--skip-launch", action="store_true", help="measure the server at --base-url (one --impls)")
     ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the running server for --skip-launch")
     ap.add_argument("--output-dir", default="bench-out", help="results.json, report.md, plots")
@@ -344,6 +345,12 @@ class TimeBudget:
     def spent(self) -> bool:
         return self.clock() >= self.deadline
 
+    def share(self, levels_left: int) -> float:
+        """The deadline of the level starting now: an equal share of what is left among the levels
+        still to run, so every level asked for is measured (what one leaves flows to the next)."""
+        now = self.clock()
+        return now + max(self.deadline - now, 0.0) / max(levels_left, 1)
+
     def skip_level(self, level: str, why: str = "not run") -> None:
         print(f"[sweep] time budget spent: {level} {why}", flush=True)
         self.outcome["levels_not_run"].append(level)
@@ -367,8 +374,8 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
     """Every level's requests in waves of ``concurrency``; for each wave every server runs it, the
     order rotating by one from wave to wave. Each server's figures add up its own waves.
     ``on_level(rows)`` runs after each level (results.json then keeps what a cut-off run measured).
-    Once ``budget`` is spent the level under way keeps the waves every server finished, and no
-    later level runs."""
+    With a ``budget`` each level measures in its share of what is left (:meth:`TimeBudget.share`)
+    and keeps the waves every server finished; once the budget is spent no later level runs."""
     for server in servers:
         compile_every_level(server.url, server.spec.label, datasets, args.concurrencies)
     # Pinned servers trade CPU slices wave by wave: a slice's cores are not all alike (on one H100
@@ -377,11 +384,14 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
     home = [server.spec.cpus for server in servers]
     rotate = len(servers) > 1 and all(home)
     rows = []
+    levels_left = len(datasets) * len(args.concurrencies)
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
+            levels_left -= 1
             if budget is not None and budget.spent():
                 budget.skip_level(f"{dataset} c{conc}")
                 continue
+            until = budget.share(levels_left + 1) if budget is not None else None
             for server in servers:
                 warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
             work = level_workload(payloads, conc, args.waves)
@@ -393,7 +403,7 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
             last = {server.spec.label: host_pauses(server.url) for server in servers}
             slices = {server.spec.label: [] for server in servers}  # the CPU slice (first CPU) of each wave
             for k, wave in enumerate(progress(waves, len(waves), f"{dataset} c{conc} waves")):
-                if budget is not None and budget.spent():
+                if until is not None and budget.clock() >= until:
                     break
                 if rotate:
                     for i, server in enumerate(servers):
@@ -414,7 +424,7 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
                 if not ran:
                     budget.skip_level(f"{dataset} c{conc}", f"keeps 0 of {len(waves)} waves")
                     continue
-                print(f"[sweep] time budget spent: {dataset} c{conc} keeps {ran} of {len(waves)} waves", flush=True)
+                print(f"[sweep] time budget: {dataset} c{conc} keeps {ran} of {len(waves)} waves", flush=True)
                 budget.outcome["levels_cut"].append(
                     {"level": f"{dataset} c{conc}", "waves_run": ran, "waves_planned": len(waves)})
             for server in servers:
