@@ -384,14 +384,14 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
     home = [server.spec.cpus for server in servers]
     rotate = len(servers) > 1 and all(home)
     rows = []
-    levels_left = len(datasets) * len(args.concurrencies)
+    later_levels = len(datasets) * len(args.concurrencies)  # after the level under way
     for dataset, payloads in datasets.items():
         for conc in args.concurrencies:
-            levels_left -= 1
+            later_levels -= 1
             if budget is not None and budget.spent():
                 budget.skip_level(f"{dataset} c{conc}")
                 continue
-            until = budget.share(levels_left + 1) if budget is not None else None
+            until = budget.share(later_levels + 1) if budget is not None else None  # this one and the later
             for server in servers:
                 warm_up(server.url, payloads, conc, f"{server.spec.label} {dataset} c{conc}")
             work = level_workload(payloads, conc, args.waves)
