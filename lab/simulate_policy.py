@@ -4,7 +4,8 @@ as the worker runs them (padded verify), against fixed 16 on the same requests.
 A host-bound cost model after SmolLM2 on an H200 (sessions 31 and 45): every drafting width costs
 the same, width 1 15% less, a single narrower verify 0.7 ms more, the first verify after plain steps
 1 ms more; 10% noise and one-sided hiccups. Each request's drafts pass through easy and hard
-stretches. Prints adaptive / fixed 16 per level and the steps not at width 16, by rule.
+stretches. Prints adaptive / fixed 16 per level, the share of steps asleep (``WidthPolicy.sleeping``)
+and the steps not at width 16, by rule.
 
     python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4] [--host [--cuda]]
 
@@ -174,11 +175,13 @@ def main():
                 level = reasons - before
                 before = reasons
                 off = Counter({f"{w}:{why}": n for (_, w, why), n in level.items() if w != 16})
-                rows.setdefault(conc, []).append((tok_s / fixed[conc][0], sum(off.values()) / sum(level.values()), off))
+                asleep = sum(n for (_, _, why), n in level.items() if why == "asleep")
+                rows.setdefault(conc, []).append((tok_s / fixed[conc][0], sum(off.values()) / sum(level.values()), off,
+                                                  asleep / sum(level.values())))
         for conc, runs in rows.items():
             print(f"{name:14s} c{conc:<3d} adaptive / fixed 16 {statistics.mean(r[0] for r in runs):.3f} "
-                  f"(least {min(r[0] for r in runs):.3f}), not width 16: {statistics.mean(r[1] for r in runs):5.1%} "
-                  f"{dict(runs[0][2].most_common(3))}")
+                  f"(least {min(r[0] for r in runs):.3f}), asleep {statistics.mean(r[3] for r in runs):5.1%}, "
+                  f"not width 16: {statistics.mean(r[1] for r in runs):5.1%} {dict(runs[0][2].most_common(3))}")
 
 
 if __name__ == "__main__":

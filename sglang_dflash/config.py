@@ -46,11 +46,12 @@ HALF_VERIFY_LOGITS_ENV = "SGLANG_DFLASH_HALF_VERIFY_LOGITS"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
-# at launch). And how a width is chosen: "throughput" (the default), "cycle" (the next width
-# every step, for lossless checks across switches) or "cycle:N" (N steps a width, timed apart).
+# at launch). And how a width is chosen: "throughput" (the default), "awake" (the same, its
+# buckets never sleeping: A/B runs), "cycle" (the next width every step, for lossless checks
+# across switches) or "cycle:N" (N steps a width, timed apart).
 WIDTHS_ENV = "SGLANG_DFLASH_WIDTHS"
 WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
-WIDTH_POLICIES = ("throughput", "cycle")
+WIDTH_POLICIES = ("throughput", "awake", "cycle")
 FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
 FALLBACK_MODES = ("on", "off", "force")
 RAGGED_ENV = "SGLANG_DFLASH_RAGGED"

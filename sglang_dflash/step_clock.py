@@ -38,8 +38,9 @@ class StepClock:
         return started, ended
 
     def seconds(self, timing: tuple) -> Optional[float]:
-        """A stamped step's seconds, or None where it was not timed or its end is not reached yet."""
-        started, ended = timing
+        """A stamped step's seconds, or None where it was not timed (``timing`` None: not stamped)
+        or its end is not reached yet."""
+        started, ended = timing or (None, None)
         if started is None:
             return None
         self.spare.append(started)

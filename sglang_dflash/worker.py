@@ -62,7 +62,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from . import compat
-from .adaptive import learn_step, make_fallback, make_width_policy, step_widths
+from .adaptive import ASLEEP, learn_step, make_fallback, make_width_policy, step_widths
 from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
                      draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
                      widths_by_default, width_policy_kind)
@@ -467,17 +467,27 @@ class DFlashWorker(BaseSpecWorker):
     @policy_time
     def choose_widths(self, batch, bs: int) -> tuple[int, Optional[list]]:
         """The batch's verify width and, with the per-request fallback, ``(rids, widths)``: the
-        width each request is verified at (:func:`~sglang_dflash.adaptive.step_widths`)."""
+        width each request is verified at (:func:`~sglang_dflash.adaptive.step_widths`); ``ASLEEP``
+        for a step of a bucket that sleeps at full width."""
         if self.width_policy is None:
             return self.block_size, None
+        if not self.ragged:  # step_widths asks too; here before the batch's ids, which a sleeping step skips
+            held = self.width_policy.sleeping(bs)
+            if held is not None:
+                return held, ASLEEP
         rids = list(map(RID, batch.reqs)) if self.fallback is not None else ()
         width, widths = step_widths(self.width_policy, self.fallback, rids, bs, self.block_size, self.ragged)
-        return width, (None if widths is None else (rids, widths))
+        return width, (widths if widths is None or widths is ASLEEP else (rids, widths))
 
     @policy_time
     def time_step(self, width: int, bs: int, request_widths: Optional[tuple] = None, stream=None) -> None:
         """Stamps the step's end (:class:`~sglang_dflash.step_clock.StepClock`) and keeps it in
-        flight until its accept lengths come. ``stream``: the step's stream, when the caller has it."""
+        flight until its accept lengths come. ``stream``: the step's stream, when the caller has it.
+        A sleeping bucket's step (``ASLEEP``) is not timed: only its acceptance is learned."""
+        if request_widths is ASLEEP:
+            self.clock.forget()  # the next timed step starts from its own start, not before the sleep
+            self.steps_in_flight.append((width, bs, None, ASLEEP))
+            return
         self.steps_in_flight.append((width, bs, self.clock.stamp(stream), request_widths))
 
     @policy_time
@@ -488,10 +498,13 @@ class DFlashWorker(BaseSpecWorker):
         if self.width_policy is None or not self.steps_in_flight:
             return
         width, bs, timing, request_widths = self.steps_in_flight.popleft()
-        rids, widths = request_widths if request_widths is not None else ((), None)
+        if request_widths is None or request_widths is ASLEEP:
+            rids, widths = (), request_widths
+        else:
+            rids, widths = request_widths
         learn_step(self.width_policy, self.fallback, width, bs, rids, widths, num_correct_drafts_per_req, timing)
         steps = self.width_policy.steps
-        if steps % WIDTHS_LOG_EVERY == 0 and steps != self.widths_logged_at:
+        if steps - self.widths_logged_at >= WIDTHS_LOG_EVERY:
             self.widths_logged_at = steps
             fell = "" if self.fallback is None else f"; {self.fallback.fallback_requests} requests fell back"
             logger.info("DFLASH verify widths used in %d decode steps: %s%s", steps,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sglang_dflash.adaptive import (
+    ASLEEP,
     AcceptanceByPosition,
     CyclingWidths,
     DraftHealth,
@@ -517,7 +518,7 @@ def test_the_verify_widths_switch(monkeypatch):
             verify_widths(16)
     for bad in ("greedy", "cycle:0", "cycle:x", "throughput:4"):
         monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", bad)
-        with pytest.raises(DFlashConfigError, match="not one of throughput, cycle or cycle:N"):
+        with pytest.raises(DFlashConfigError, match="not one of throughput, awake, cycle or cycle:N"):
             width_policy_kind()
     monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", " Cycle:8 ")
     assert width_policy_kind() == "cycle:8"
@@ -532,6 +533,7 @@ def test_the_cycling_policy_changes_width_every_step():
     assert all(a != b for a, b in zip(chosen, chosen[1:]))
     assert policy.widths_used() == {16: 3, 4: 2, 1: 2}
     assert isinstance(make_width_policy("throughput", 16, (16, 8)), WidthPolicy)
+    assert make_width_policy("throughput", 16, (16, 8)).sleeps and not make_width_policy("awake", 16, (16, 8)).sleeps
 
 
 def test_a_held_cycle_times_the_step_after_a_switch_apart_from_the_steady_ones():
@@ -961,3 +963,83 @@ def test_a_new_bucket_times_full_width_before_a_narrower_width_is_held_there():
     run_policy(policy, 32, 0.74, lambda w, b: 3.1e-3 * (1 + 0.05 * rng.random()), 600, rng)  # every width alike
     held = sum(n for (b, w, why), n in policy.reasons.items() if b == 32 and why == "best" and w != 16)
     assert held <= 20, policy.choices()
+
+
+def serve_steps(policy, health, p, cost, steps, rng, bs=4):
+    """Steps as the worker runs them (``step_widths``, then ``learn_step`` a step late); each step's
+    width, whether it slept, and the fallback's steps by its end. A sleeping step's time reads
+    ``ASLEEP_SECONDS``, which no step costs: the policy must never keep it."""
+    rids, late, out = list(range(bs)), None, []
+    for _ in range(steps):
+        width, widths = step_widths(policy, health, rids, bs, 16)
+        if late is not None:
+            learn_step(policy, health, *late)
+        slept = widths is ASLEEP
+        seconds = ASLEEP_SECONDS if slept else cost(width, bs)
+        late = (width, bs, rids, widths, accepted_drafts(rng, bs, width, p), seconds)
+        out.append((width, slept, health.steps if health else None))
+    return out
+
+
+ASLEEP_SECONDS = 99.0
+
+
+def test_a_bucket_that_keeps_full_width_sleeps_and_wakes_to_decide_again():
+    """SmolLM2 on an H200 (session 53): width 16 in 98-99.7% of the steps at c1-c64, and the policy's
+    calls 1.5-1.9% of fixed 16's host time a step, the whole margin of the 0.98 goal. A bucket that
+    has held full width ``AWAKE_STEPS`` steps sleeps ``SLEEP_STEPS``: full width, counted as
+    ``asleep``, not timed and no request's fallback checked; then it decides again, and sleeps
+    again only after ``AWAKE_STEPS`` steps awake."""
+    rng = random.Random(5)
+    policy, health = WidthPolicy(16), DraftHealth()
+    cost = lambda w, b: 2.5e-3 * (0.9 if w == 1 else 1.0) * (1 + 0.1 * rng.random())  # noqa: E731
+    steps = serve_steps(policy, health, 0.8, cost, 4000, rng)
+    runs, awake_between, start = [], [], None
+    for i, (width, slept, health_steps) in enumerate(steps):
+        if slept:
+            assert width == 16
+            if start is None:
+                start = i
+                if runs:
+                    awake_between.append(i - runs[-1][1])
+            else:  # no request's fallback checked
+                assert health_steps == steps[i - 1][2]
+        elif start is not None:
+            runs.append((start, i))
+            start = None
+    assert len(runs) >= 5 and all(end - begin == WidthPolicy.SLEEP_STEPS - 1 for begin, end in runs), runs
+    assert min(awake_between) >= WidthPolicy.AWAKE_STEPS, awake_between
+    slept = sum(slept for _, slept, _ in steps)
+    assert slept / len(steps) > 0.75 and policy.choices()["16@4"]["asleep"] == slept
+    assert all(seconds != ASLEEP_SECONDS for kept in policy.costs.samples.values() for _, _, seconds in kept)
+    assert policy.costs.order > 400  # the awake steps are timed
+
+
+def test_a_bucket_held_narrower_never_sleeps():
+    """Only full width sleeps: a narrower width is where the policy's choice matters, and its deep
+    refreshes (full width every ``8 * refresh_every`` steps) see whether the workload turned easy."""
+    rng = random.Random(6)
+    policy = WidthPolicy(16)
+    cost = lambda w, b: 1.0 + (0.25 if w > 1 else 0.0) + 0.002 * w  # noqa: E731
+    steps = serve_steps(policy, None, 0.0, cost, 2000, rng)
+    assert policy.current[4] == 1 and not any(slept for _, slept, _ in steps) and not policy.asleep
+
+
+def test_a_sleeping_bucket_wakes_when_its_drafts_stop_being_accepted():
+    """Drafts stop being accepted while full width sleeps: the bucket wakes on its requests' accept
+    lengths (:meth:`WidthPolicy.watch`), not at the end of its sleep, and holds plain steps about as
+    soon as a policy that never sleeps."""
+    cost = lambda w, b: 1.0 + (0.25 if w > 1 else 0.0) + 0.002 * w  # noqa: E731
+
+    def plain_from(sleeps):
+        rng, policy = random.Random(7), WidthPolicy(16)
+        if not sleeps:
+            policy.sleeping = lambda bs: None
+        serve_steps(policy, None, 0.95, cost, 1000, rng)
+        assert policy.current[4] == 16 and (policy.asleep or not sleeps)  # asleep as the drafts turn
+        widths = [w for w, _, _ in serve_steps(policy, None, 0.0, cost, 2000, rng)]
+        assert policy.current[4] == 1
+        return next(i for i in range(len(widths)) if widths[i:i + 50].count(1) >= 45)
+
+    never, sleeping = plain_from(False), plain_from(True)
+    assert sleeping <= never + 100 < WidthPolicy.SLEEP_STEPS + never, (sleeping, never)

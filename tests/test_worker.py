@@ -367,7 +367,7 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
         seen.append((width, bs, accept_lens, worker.clock.seconds(timing)))
 
     worker.width_policy = SimpleNamespace(record_later=record_later, steps=7, widths_used=lambda: {8: 5, 1: 2})
-    worker.fallback = None
+    worker.fallback, worker.widths_logged_at = None, 0
     ends = [Event(5.0), Event(17.0), Event(20.0, done=False)]
     worker.steps_in_flight = deque([(8, 2, (None, ends[0]), None), (8, 2, (ends[0], ends[1]), None),
                                     (1, 2, (ends[1], ends[2]), None)])
@@ -378,6 +378,40 @@ def test_the_width_policy_learns_each_step_when_its_accept_lengths_reach_the_hos
     assert seen == [(8, 2, [1, 1], None), (8, 2, [3, 0], 0.012), (1, 2, [0, 0], None)]
     assert not worker.steps_in_flight
     assert worker.clock.spare == ends[:2]  # each start event, once read, is recorded again later
+
+
+def test_a_sleeping_buckets_step_reads_no_request_and_is_not_timed_but_keeps_its_place():
+    """A step of a bucket that sleeps (``WidthPolicy.sleeping``) takes full width without reading
+    the batch's request ids or asking the fallback, breaks the timing chain, and, in flight, teaches
+    its acceptance alone; the awake step after it is timed and learned with its own accept lengths."""
+    from collections import deque
+
+    from sglang_dflash.adaptive import ASLEEP, DraftHealth, WidthPolicy
+    from sglang_dflash.step_clock import StepClock
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
+    worker.block_size, worker.ragged, worker.widths_logged_at = 16, False, 0
+    worker.fallback, worker.width_policy = DraftHealth(), WidthPolicy(16)
+    worker.width_policy.asleep[4] = (16, 2, (4, 16, "asleep"), 2.0)  # the policy's step 1 sleeps, step 2 wakes
+    learned = []
+    worker.width_policy.record_later = lambda *step: learned.append(step)
+    worker.clock, worker.steps_in_flight = StepClock(), deque()
+    worker.clock.last_end = "the end of the step before"
+    worker.clock.stamp = lambda stream: ("start", "end")  # no CUDA here
+
+    assert DFlashWorker.choose_widths(worker, SimpleNamespace(), 4) == (16, ASLEEP)  # no reqs to read
+    DFlashWorker.time_step(worker, 16, 4, ASLEEP)
+    assert worker.clock.last_end is None and worker.fallback.steps == 0
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid=r) for r in "abcd"])
+    width, request_widths = DFlashWorker.choose_widths(worker, batch, 4)  # awake: the fallback is asked
+    assert request_widths == (list("abcd"), [width] * 4) and worker.fallback.steps == 1
+    DFlashWorker.time_step(worker, width, 4, request_widths)
+    DFlashWorker.on_verify_complete_cpu(worker, [3, 0, 1, 2], batch_size=4)
+    DFlashWorker.on_verify_complete_cpu(worker, [0, 0, 5, 1], batch_size=4)
+    assert learned == [(16, 4, [3, 0, 1, 2], None), (width, 4, [0, 0, 5, 1], ("start", "end"))]
+    assert worker.fallback.misses == {"a": 1, "b": 1} and worker.width_policy.choices()["16@4"]["asleep"] == 1
 
 
 def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_breaks_the_chain(monkeypatch):
@@ -820,7 +854,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker, batch, log, pair = width_one_worker(monkeypatch, runner, decodes)
     written = []
     worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
-    worker.width_policy = SimpleNamespace(choose=lambda bs: 1)
+    worker.width_policy = SimpleNamespace(choose=lambda bs: 1, sleeping=lambda bs: None)
     worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
     worker.time_step = lambda width, bs, request_widths=None, stream=None: None
@@ -1076,7 +1110,8 @@ def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_wid
     worker, batch, _, _, written = whole_step_worker(monkeypatch, "graph", decodes=True)
     worker.fallback, counted = ForcedFallback(), []
     worker.fallback.steps = 2  # the next step is one of the pattern's all-fallback steps
-    worker.width_policy = SimpleNamespace(choose=never, fallback_width=lambda bs, fallen_tokens=1.0: counted.append((bs, 1)) or 1)
+    worker.width_policy = SimpleNamespace(choose=never, sleeping=lambda bs: None,
+                                          fallback_width=lambda bs, fallen_tokens=1.0: counted.append((bs, 1)) or 1)
     batch.reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]

@@ -46,6 +46,9 @@ IMPLEMENTATIONS = {
     "adaptive-nofallback": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                     "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                     "SGLANG_DFLASH_FALLBACK": "off"}),
+    # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, session 53).
+    "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                               "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
     "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
                         {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto", "SGLANG_DFLASH_RAGGED": "1"}),
