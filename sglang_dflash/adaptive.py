@@ -784,10 +784,12 @@ def learn_step(policy, fallback, width: int, bs: int, rids: Sequence, widths: Op
     policy.record_later(width, bs, accept_lens, timing)
 
 
-def make_width_policy(kind: str, block_size: int, widths: Sequence[int]):
+def make_width_policy(kind: str, block_size: int, widths: Sequence[int], fallback: str = "on"):
     """``throughput`` (:class:`WidthPolicy`), ``awake`` (the same, never sleeping), ``cycle``
-    (:class:`CyclingWidths`, a new width every step) or ``cycle:N`` (each width for N steps in turn)."""
+    (:class:`CyclingWidths`, a new width every step) or ``cycle:N`` (each width for N steps in turn).
+    With the fallback forced (``fallback`` ``force``, a lossless check's pattern) no bucket sleeps
+    either: a sleeping step would skip the pattern."""
     name, _, hold = kind.partition(":")
     if name == "cycle":
         return CyclingWidths(widths, int(hold or 1))
-    return WidthPolicy(block_size, widths, sleeps=name != "awake")
+    return WidthPolicy(block_size, widths, sleeps=name != "awake" and fallback != "force")

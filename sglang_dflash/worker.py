@@ -174,7 +174,8 @@ class DFlashWorker(BaseSpecWorker):
             if why_not is not None:
                 self._fix_the_block(why_not)
             else:
-                self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths)
+                self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths,
+                                                      draft_fallback(self.widths))
                 self.width_policy.read_timing = self.clock.seconds  # steps are timed by CUDA events
         # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))

@@ -534,6 +534,7 @@ def test_the_cycling_policy_changes_width_every_step():
     assert policy.widths_used() == {16: 3, 4: 2, 1: 2}
     assert isinstance(make_width_policy("throughput", 16, (16, 8)), WidthPolicy)
     assert make_width_policy("throughput", 16, (16, 8)).sleeps and not make_width_policy("awake", 16, (16, 8)).sleeps
+    assert not make_width_policy("throughput", 16, (16, 8, 1), "force").sleeps  # the forced pattern every step
 
 
 def test_a_held_cycle_times_the_step_after_a_switch_apart_from_the_steady_ones():
