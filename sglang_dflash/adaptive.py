@@ -197,11 +197,15 @@ class WidthPolicy:
     MAX_PROBE_GAP = 256
     MAX_UNLEARNED = 16  # steps whose lesson may wait for a decision (:meth:`record_later`)
     # A bucket that has held full width AWAKE_STEPS steps since it chose it or last woke sleeps
-    # SLEEP_STEPS (:meth:`sleeping`). SmolLM2 on an H200 (session 53): width 16 in 98-99.7% of steps
-    # at c1-c64, and the policy's calls 1.5-1.9% of fixed 16's host time a step, the whole of the
-    # 0.98 goal's margin. It wakes early where its drafts' acceptance falls (:meth:`watch`).
+    # SLEEP_STEPS (:meth:`sleeping`), twice as long each time it wakes on schedule to the same
+    # choice, up to LONGEST_SLEEP. SmolLM2 on an H200: width 16 in 98-99.9% of steps at c1-c64; the
+    # policy's calls took 1.5-1.9% of fixed 16's host time a step awake (session 53), the whole of
+    # the 0.98 goal's margin, and 0.6-0.8% with every sleep SLEEP_STEPS long (session 54, 78-86% of
+    # steps asleep), nearly all of it in the awake steps. It wakes early where its drafts'
+    # acceptance falls (:meth:`watch`), and a changed choice starts again from SLEEP_STEPS.
     AWAKE_STEPS = 64
     SLEEP_STEPS = 448
+    LONGEST_SLEEP = 8 * SLEEP_STEPS
     WAKE_BELOW = 0.8  # of the drafts a full-width step was expected to accept when the bucket fell asleep
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
@@ -230,6 +234,7 @@ class WidthPolicy:
         # bucket -> (full width, the step it wakes at, its reasons key, the drafts a request was
         # expected to accept at full width when it fell asleep)
         self.asleep: dict[int, tuple] = {}
+        self.sleep_steps: dict[int, int] = {}  # bucket -> the length of its next sleep (absent: SLEEP_STEPS)
 
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
@@ -275,6 +280,7 @@ class WidthPolicy:
         if nap is not None and self.acceptance.expected_tokens(nap[0]) - 1 < self.WAKE_BELOW * nap[3]:
             del self.asleep[b]
             self.calm_since[b] = self.steps
+            self.sleep_steps.pop(b, None)
 
     def choose(self, bs: int) -> int:
         self.steps += 1
@@ -311,7 +317,9 @@ class WidthPolicy:
                 and b not in self.confirming and b not in self.first_wins
                 and self.steps - self.calm_since.get(b, self.steps) >= self.AWAKE_STEPS):
             accepted = self.acceptance.expected_tokens(width) - 1
-            self.asleep[b] = (width, self.steps + self.SLEEP_STEPS, (b, width, "asleep"), accepted)
+            length = self.sleep_steps.get(b, self.SLEEP_STEPS)
+            self.sleep_steps[b] = min(2 * length, self.LONGEST_SLEEP)
+            self.asleep[b] = (width, self.steps + length, (b, width, "asleep"), accepted)
         return width, "best"
 
     def _probe_due(self, b: int) -> bool:
@@ -406,6 +414,7 @@ class WidthPolicy:
         if self.current.get(b) != best:
             self.probe_gap.pop(b, None)  # a new held width: what may beat it is probed afresh
             self.calm_since[b] = self.steps
+            self.sleep_steps.pop(b, None)
         self.current[b] = best
         return best, True
 

@@ -985,33 +985,41 @@ def serve_steps(policy, health, p, cost, steps, rng, bs=4):
     return out
 
 
+def runs_asleep(steps):
+    """``(first, end)`` of each run of sleeping steps in :func:`serve_steps`' output."""
+    runs, start = [], None
+    for i, (_, slept, _) in enumerate(steps):
+        if slept and start is None:
+            start = i
+        elif not slept and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 def test_a_bucket_that_keeps_full_width_sleeps_and_wakes_to_decide_again():
     """SmolLM2 on an H200 (session 53): width 16 in 98-99.7% of the steps at c1-c64, and the policy's
     calls 1.5-1.9% of fixed 16's host time a step, the whole margin of the 0.98 goal. A bucket that
     has held full width ``AWAKE_STEPS`` steps sleeps ``SLEEP_STEPS``: full width, counted as
-    ``asleep``, not timed and no request's fallback checked; then it decides again, and sleeps
-    again only after ``AWAKE_STEPS`` steps awake."""
+    ``asleep``, not timed and no request's fallback checked; then it decides again, sleeps again
+    only after ``AWAKE_STEPS`` steps awake, and twice as long as before, up to ``LONGEST_SLEEP``
+    (session 54: the awake steps were nearly all of the policy's 0.6-0.8% left)."""
     rng = random.Random(5)
     policy, health = WidthPolicy(16), DraftHealth()
     cost = lambda w, b: 2.5e-3 * (0.9 if w == 1 else 1.0) * (1 + 0.1 * rng.random())  # noqa: E731
-    steps = serve_steps(policy, health, 0.8, cost, 4000, rng)
-    runs, awake_between, start = [], [], None
+    steps = serve_steps(policy, health, 0.8, cost, 14000, rng)
     for i, (width, slept, health_steps) in enumerate(steps):
         if slept:
             assert width == 16
-            if start is None:
-                start = i
-                if runs:
-                    awake_between.append(i - runs[-1][1])
-            else:  # no request's fallback checked
+            if steps[i - 1][1]:  # no request's fallback checked
                 assert health_steps == steps[i - 1][2]
-        elif start is not None:
-            runs.append((start, i))
-            start = None
-    assert len(runs) >= 5 and all(end - begin == WidthPolicy.SLEEP_STEPS - 1 for begin, end in runs), runs
+    runs = runs_asleep(steps)
+    awake_between = [begin - end for (_, end), (begin, _) in zip(runs, runs[1:])]
+    lengths = [min(WidthPolicy.SLEEP_STEPS << i, WidthPolicy.LONGEST_SLEEP) - 1 for i in range(len(runs))]
+    assert len(runs) >= 5 and [end - begin for begin, end in runs] == lengths, runs
     assert min(awake_between) >= WidthPolicy.AWAKE_STEPS, awake_between
     slept = sum(slept for _, slept, _ in steps)
-    assert slept / len(steps) > 0.75 and policy.choices()["16@4"]["asleep"] == slept
+    assert slept / len(steps) > 0.9 and policy.choices()["16@4"]["asleep"] == slept
     assert all(seconds != ASLEEP_SECONDS for kept in policy.costs.samples.values() for _, _, seconds in kept)
     assert policy.costs.order > 400  # the awake steps are timed
 
@@ -1043,3 +1051,17 @@ def test_a_sleeping_bucket_wakes_when_its_drafts_stop_being_accepted():
     # Without the wake on acceptance: 1,075 steps against 711, each sleep deciding nothing.
     never, sleeping = plain_from(False), plain_from(True)
     assert sleeping <= never + 100, (sleeping, never)
+
+
+def test_a_bucket_that_changed_its_choice_sleeps_the_shortest_sleep_again():
+    """Sleeps lengthen only while each waking confirms the same choice: a bucket woken by failing
+    drafts, held at width 1 and back at full width once they are accepted again, starts over from
+    ``SLEEP_STEPS``."""
+    rng, policy = random.Random(8), WidthPolicy(16)
+    cost = lambda w, b: 1.0 + (0.25 if w > 1 else 0.0) + 0.002 * w  # noqa: E731
+    serve_steps(policy, None, 0.95, cost, 6000, rng)
+    assert policy.sleep_steps[4] >= 4 * WidthPolicy.SLEEP_STEPS  # three sleeps or more behind it
+    serve_steps(policy, None, 0.0, cost, 2000, rng)
+    assert policy.current[4] == 1 and 4 not in policy.sleep_steps and not policy.asleep
+    runs = runs_asleep(serve_steps(policy, None, 0.95, cost, 3000, rng))
+    assert policy.current[4] == 16 and runs and runs[0][1] - runs[0][0] == WidthPolicy.SLEEP_STEPS - 1, runs
