@@ -1011,7 +1011,7 @@ def test_a_bucket_that_keeps_full_width_sleeps_and_wakes_to_decide_again():
     for i, (width, slept, health_steps) in enumerate(steps):
         if slept:
             assert width == 16
-            if steps[i - 1][1]:  # no request's fallback checked
+            if i and steps[i - 1][1]:  # no request's fallback checked
                 assert health_steps == steps[i - 1][2]
     runs = runs_asleep(steps)
     awake_between = [begin - end for (_, end), (begin, _) in zip(runs, runs[1:])]
