@@ -197,3 +197,40 @@ def test_the_pooled_ratio_plot_reads_each_level_with_its_interval(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "lab", "plot_pooled.py"), str(out), "--line", "0.98",
                     "--panel", "set", f"a / b={pooled}"], check=True)
     assert out.stat().st_size > 1000
+
+
+def load_lab(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "lab", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep_row(impl, dataset, conc, waves, steps, asleep, used16, fallback, host_calls):
+    """A sweep's row whose server counters are running totals, as /get_server_info reports them."""
+    totals = [{"calls": 100 * (i + 1), "call_ms": 150.0 * (i + 1), "gap_ms": 100.0 * (i + 1),
+               "policy_ms": (2.0 if impl == "adaptive" else 0.3) * (i + 1)} for i in range(host_calls)]
+    return {"impl": impl, "label": impl, "dataset": dataset, "concurrency": conc, "output_tok_s": 100.0,
+            "accept_length": 3.0, "wave_tok_s": waves, "wave_host_pauses": [{"decode_host": t} for t in totals],
+            "server_after": {"dflash": {"decode_steps": steps, "widths_used": {"16": used16, "8": steps - used16},
+                                        "choices": {"16@4": {"asleep": asleep, "best": 3}}, "fallback": {"requests": fallback}}}}
+
+
+def test_adaptive_levels_counts_each_level_from_its_own_steps():
+    m = load_lab("adaptive_levels")
+    rows = [sweep_row("adaptive", "gsm8k", 4, [110, 99, 121, 90], 1000, 900, 990, 5, 4),
+            sweep_row("plugin-fixed", "gsm8k", 4, [100, 110, 110, 100], 800, 0, 800, 0, 4),
+            sweep_row("adaptive", "gsm8k", 8, [100, 100], 3000, 1000, 2980, 12, 3),
+            sweep_row("plugin-fixed", "gsm8k", 8, [100, 100], 2500, 0, 2500, 0, 3)]
+    levels = m.run_levels(rows)
+    c4, c8 = levels["gsm8k c4"], levels["gsm8k c8"]
+    assert c4["adaptive"]["asleep_share"] == 0.9 and c4["adaptive"]["widths_used"] == {"16": 990, "8": 10}
+    # c8 ran after c4 on the same servers: its counts are the totals less c4's
+    assert c8["adaptive"]["asleep_share"] == 0.05 and c8["adaptive"]["widths_used"] == {"16": 1990, "8": 10}
+    assert c8["adaptive"]["fallback_requests"] == 7
+    assert c4["adaptive"]["policy_us_per_step"] == 20.0 and c4["plugin-fixed"]["call_plus_gap_us_per_step_median_of_waves"] == 2500.0
+    assert c4["policy_share_of_fixed_16_host_time"] == 0.008 and c4["host_time_a_step_over_fixed_16"] == 1.0
+    assert c4["over_fixed_16"]["waves"] == 4 and abs(c4["over_fixed_16"]["geomean"] - (1.1 * 0.9 * 1.1 * 0.9) ** 0.25) < 1e-4
+    pooled = m.pooled([rows, rows])
+    assert pooled["c4"]["waves"] == 8 and pooled["c4"]["gsm8k"]["waves"] == 8
