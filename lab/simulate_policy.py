@@ -49,9 +49,19 @@ def step_seconds(rng, width, prev, bs):
     return cost / 1000
 
 
+def draft_health():
+    try:
+        from sglang_dflash.fallback import DraftHealth
+    except ImportError:  # a checkout (--code) from before fallback.py: it lived in adaptive.py
+        from sglang_dflash.adaptive import DraftHealth
+    return DraftHealth
+
+
 def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12, tokens=256):
     from sglang_dflash import adaptive as widths_module
-    from sglang_dflash.adaptive import DraftHealth, WidthPolicy
+    from sglang_dflash.adaptive import WidthPolicy
+
+    DraftHealth = draft_health()
 
     rng = random.Random(seed)
     policy, health = (WidthPolicy(16), DraftHealth()) if adaptive else (None, None)
@@ -101,7 +111,9 @@ def host_time(batch_sizes=(1, 4, 16, 64), steps=20000, warm=2000):
     before the step, what it taught after it (requests leaving now and then)."""
     import time
 
-    from sglang_dflash.adaptive import DraftHealth, WidthPolicy, learn_step, step_widths
+    from sglang_dflash.adaptive import WidthPolicy, learn_step, step_widths
+
+    DraftHealth = draft_health()
 
     for bs in batch_sizes:
         policy, health, rng = WidthPolicy(16), DraftHealth(), random.Random(0)

@@ -179,7 +179,7 @@ def width_policy_kind() -> str:
 
 
 def draft_fallback(widths: tuple[int, ...]) -> str:
-    """The per-request fallback (:class:`~sglang_dflash.adaptive.DraftHealth`): ``on`` by default
+    """The per-request fallback (:class:`~sglang_dflash.fallback.DraftHealth`): ``on`` by default
     when width 1 is among the verify widths (a batch whose every request falls back must run a
     plain decode step), ``off``, or ``force`` (a fixed pattern of requests in and out of fallback,
     for lossless checks)."""

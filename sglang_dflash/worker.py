@@ -62,7 +62,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from . import compat
-from .adaptive import ASLEEP, learn_step, make_fallback, make_width_policy, step_widths
+from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
 from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
                      draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
                      widths_by_default, width_policy_kind)
@@ -70,6 +70,7 @@ from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
+from .fallback import make_fallback
 from .host_pauses import StepStalls, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
@@ -177,7 +178,7 @@ class DFlashWorker(BaseSpecWorker):
                 self.width_policy = make_width_policy(width_policy_kind(), self.block_size, self.widths,
                                                       draft_fallback(self.widths))
                 self.width_policy.read_timing = self.clock.seconds  # steps are timed by CUDA events
-        # Per request: a request whose drafts keep failing accepts none for a while (adaptive.DraftHealth).
+        # Per request: a request whose drafts keep failing accepts none for a while (fallback.DraftHealth).
         self.fallback = make_fallback(draft_fallback(self.widths))
         self.widths_logged_at = 0
         # Each request's own width in one verify (SGLang's compact ragged graphs; set up with the backends).

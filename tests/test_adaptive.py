@@ -13,13 +13,13 @@ from sglang_dflash.adaptive import (
     ASLEEP,
     AcceptanceByPosition,
     CyclingWidths,
-    DraftHealth,
     WidthPolicy,
     bucket,
     candidate_widths,
     learn_step,
     step_widths,
 )
+from sglang_dflash.fallback import DraftHealth
 from sglang_dflash.reference import (
     RequestParams,
     TinyTarget,
@@ -562,8 +562,6 @@ def test_a_held_cycle_times_the_step_after_a_switch_apart_from_the_steady_ones()
 
 
 def test_a_request_whose_drafts_keep_failing_falls_back_and_is_retried():
-    from sglang_dflash.adaptive import DraftHealth
-
     health = DraftHealth(misses=3, retry_every=4)
     seen = []
     for step in range(12):
@@ -585,8 +583,6 @@ def test_a_request_whose_drafts_keep_failing_falls_back_and_is_retried():
 
 
 def test_draft_health_forgets_requests_that_left_and_follows_a_narrower_batch_width():
-    from sglang_dflash.adaptive import DraftHealth
-
     health = DraftHealth(misses=1, retry_every=2)
     health.observe(["a", "b"], health.widths(["a", "b"], 8), [0, 0])
     assert health.widths(["a", "b"], 8) == [1, 1] and health.in_fallback() == 2
@@ -771,7 +767,7 @@ def test_the_fallback_is_on_by_default_only_where_width_one_can_run(monkeypatch)
 
 
 def test_forced_fallback_crosses_every_case_and_counts_each_request_once_per_stay():
-    from sglang_dflash.adaptive import DraftHealth, ForcedFallback, make_fallback
+    from sglang_dflash.fallback import ForcedFallback, make_fallback
 
     assert isinstance(make_fallback("on"), DraftHealth) and make_fallback("off") is None
     forced = make_fallback("force")

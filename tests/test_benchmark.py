@@ -1153,8 +1153,9 @@ def test_every_benchmark_implementation_names_settings_the_plugin_accepts(monkey
     """An A/B entry whose environment the plugin refuses would only fail on the GPU machine, at
     start-up. The decomposition entries do what they say: every width built, full width always
     chosen and no fallback (adaptive-hold16); the default's policy without its fallback."""
-    from sglang_dflash.adaptive import CyclingWidths, WidthPolicy, make_fallback, make_width_policy
+    from sglang_dflash.adaptive import CyclingWidths, WidthPolicy, make_width_policy
     from sglang_dflash.config import draft_fallback, verify_widths, width_policy_kind
+    from sglang_dflash.fallback import make_fallback
 
     made = {}
     for name, (_, env) in server_mod.IMPLEMENTATIONS.items():

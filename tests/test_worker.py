@@ -386,7 +386,8 @@ def test_a_sleeping_buckets_step_reads_no_request_and_is_not_timed_but_keeps_its
     its acceptance alone; the awake step after it is timed and learned with its own accept lengths."""
     from collections import deque
 
-    from sglang_dflash.adaptive import ASLEEP, DraftHealth, WidthPolicy
+    from sglang_dflash.adaptive import ASLEEP, WidthPolicy
+    from sglang_dflash.fallback import DraftHealth
     from sglang_dflash.step_clock import StepClock
     from sglang_dflash.worker import DFlashWorker
 
@@ -980,7 +981,7 @@ def fallback_worker(fallback, choose):
 
 
 def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_verifies_fallback_requests_narrower_only_when_ragged():
-    from sglang_dflash.adaptive import ForcedFallback
+    from sglang_dflash.fallback import ForcedFallback
     from sglang_dflash.worker import DFlashWorker
 
     chosen = []
@@ -1031,7 +1032,7 @@ def test_a_ragged_step_records_and_keeps_the_width_each_request_was_verified_at(
     from collections import Counter, deque
 
     import sglang_dflash.worker as worker_mod
-    from sglang_dflash.adaptive import DraftHealth
+    from sglang_dflash.fallback import DraftHealth
     from sglang_dflash.draft import DraftBlock
     from sglang_dflash.worker import DFlashWorker
 
@@ -1084,7 +1085,7 @@ def test_a_ragged_step_records_and_keeps_the_width_each_request_was_verified_at(
 def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
     from collections import Counter
 
-    from sglang_dflash.adaptive import ForcedFallback
+    from sglang_dflash.fallback import ForcedFallback
     from sglang_dflash.host_pauses import process_pauses
     from sglang_dflash.worker import DFlashWorker
 
@@ -1101,7 +1102,7 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
 
 
 def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_width_one_saves_time(monkeypatch):
-    from sglang_dflash.adaptive import ForcedFallback
+    from sglang_dflash.fallback import ForcedFallback
     from sglang_dflash.worker import DFlashWorker
 
     def never(bs):
