@@ -56,14 +56,16 @@ def run_levels(rows: list[dict]) -> dict:
     levels = {}
     for impl in (A, B):
         before = None
-        for row in sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["server_after"]["dflash"]["decode_steps"]):
+        # a server that failed reports no counters: its rows read nothing
+        served = [r for r in rows if r["impl"] == impl and ((r.get("server_after") or {}).get("dflash") or {}).get("decode_steps")]
+        for row in sorted(served, key=lambda r: r["server_after"]["dflash"]["decode_steps"]):
             now = {k: row["server_after"]["dflash"].get(k) for k in COUNTERS}
             levels.setdefault((row["dataset"], row["concurrency"]), {})[impl] = server_level(row, since(now, before))
             before = now
     cycles = paired_wave_cycles(rows, A, B)
     out = {}
     for (dataset, conc), lv in sorted(levels.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if (dataset, conc) in cycles and A in lv and B in lv:
+        if cycles.get((dataset, conc)) and A in lv and B in lv:
             lv["over_fixed_16"] = brief(paired_ratio_stats(cycles[dataset, conc]))
             a, b = lv[A]["call_plus_gap_us_per_step_median_of_waves"], lv[B]["call_plus_gap_us_per_step_median_of_waves"]
             if a and b:

@@ -234,3 +234,11 @@ def test_adaptive_levels_counts_each_level_from_its_own_steps():
     assert c4["over_fixed_16"]["waves"] == 4 and abs(c4["over_fixed_16"]["geomean"] - (1.1 * 0.9 * 1.1 * 0.9) ** 0.25) < 1e-4
     pooled = m.pooled([rows, rows])
     assert pooled["c4"]["waves"] == 8 and pooled["c4"]["gsm8k"]["waves"] == 8
+
+
+def test_adaptive_levels_skips_a_server_that_reported_nothing():
+    m = load_lab("adaptive_levels")
+    failed = sweep_row("adaptive", "gsm8k", 4, [], 0, 0, 0, 0, 0)
+    failed["server_after"] = None
+    levels = m.run_levels([failed, sweep_row("plugin-fixed", "gsm8k", 4, [100, 110], 800, 0, 800, 0, 2)])
+    assert "adaptive" not in levels["gsm8k c4"] and "over_fixed_16" not in levels["gsm8k c4"]
