@@ -503,9 +503,9 @@ class WidthPolicy:
         request in fallback committing ``fallen_tokens`` a step when verified with drafts
         (:attr:`sglang_dflash.fallback.DraftHealth.fallen_tokens`), or where width 1 is not measured
         yet; else the policy's choice. On a host-bound pair every width costs about the same, so
-        skipping the draft saves nothing and loses the drafts it would have accepted (SmolLM2 mt-bench at c1:
-        1.87 tokens a step against 2.13; session 45, H200: 3-9% of c1's steps were plain, on a
-        width 1 whose least read 12-15% below width 16's, where the requests' retries showed
+        skipping the draft saves nothing and loses the drafts it would have accepted (SmolLM2
+        mt-bench at c1: 1.87 tokens a step against 2.13; session 45, H200: 3-9% of c1's steps were
+        plain, on a width 1 whose least read 12-15% below width 16's, where the requests' retries showed
         what the drafts would have added). Width 1's median, not its least: its first step after a
         verify reads low (session 31)."""
         self._learn()
