@@ -236,6 +236,17 @@ def test_adaptive_levels_counts_each_level_from_its_own_steps():
     assert pooled["c4"]["waves"] == 8 and pooled["c4"]["gsm8k"]["waves"] == 8
 
 
+def test_adaptive_levels_reads_the_default_against_plain_decoding():
+    m = load_lab("adaptive_levels")
+    ar = sweep_row("ar", "rig-random", 8, [100, 100], 0, 0, 0, 0, 0)
+    ar["server_after"] = {}
+    default = sweep_row("plugin", "rig-random", 8, [97, 95], 400, 0, 10, 8, 2)
+    levels = m.run_levels([default, ar], "plugin", "ar")["rig-random c8"]
+    assert levels["over_ar"]["waves"] == 2 and abs(levels["over_ar"]["geomean"] - (0.97 * 0.95) ** 0.5) < 1e-4
+    assert levels["plugin"]["widths_used"] == {"16": 10, "8": 390} and levels["plugin"]["fallback_requests"] == 8
+    assert "over_fixed_16" not in levels and m.pooled([[default, ar]], "plugin", "ar")["c8"]["waves"] == 2
+
+
 def test_adaptive_levels_skips_a_server_that_reported_nothing():
     m = load_lab("adaptive_levels")
     failed = sweep_row("adaptive", "gsm8k", 4, [], 0, 0, 0, 0, 0)
