@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Issue 27's table in one figure: each server's tok/s over plain decoding, level by level and set by
+set, from a six-server SmolLM2 sweep; then the rigs' paired ratios against their goals.
+
+    python3 lab/plot_goals.py OUT.png SIX_SERVER/results.json [--zero levels.json] [--random levels.json]
+
+The SmolLM2 panels divide each server's tok/s at a level by plain decoding's (a run's totals, not
+paired); ``--zero`` draws the default over fixed 16 on the zero-weight rig and ``--random`` the
+default over plain decoding on the random-weight rig (``lab/adaptive_levels.py`` files, pooled
+paired waves with their 95% intervals).
+"""
+
+import argparse
+import json
+import os
+
+COLORS = {"ar": "gray", "plugin-fixed": "tab:blue", "plugin-fixed-b8": "tab:cyan", "plugin-fixed-b4": "tab:olive",
+          "adaptive": "tab:red", "builtin": "tab:purple"}
+NAMES = {"ar": "plain decoding", "plugin-fixed": "fixed 16", "plugin-fixed-b8": "fixed 8", "plugin-fixed-b4": "fixed 4",
+         "adaptive": "default (adaptive)", "builtin": "built-in"}
+
+
+def over_ar(rows: list[dict]) -> dict:
+    """{dataset: {label: [(concurrency, tok/s over plain decoding's)]}}."""
+    ar = {(r["dataset"], r["concurrency"]): r["output_tok_s"] for r in rows if r["label"] == "ar"}
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["concurrency"]):
+        base = ar.get((r["dataset"], r["concurrency"]))
+        if base and r["output_tok_s"]:
+            out.setdefault(r["dataset"], {}).setdefault(r["label"], []).append((r["concurrency"], r["output_tok_s"] / base))
+    return out
+
+
+def pooled_points(doc: dict) -> list[tuple[int, float, float, float, int]]:
+    """(concurrency, geomean, low, high, waves) from an adaptive_levels file's pooled levels."""
+    return [(int(c[1:]), e["geomean"], e["ci95"][0], e["ci95"][1], e["waves"])
+            for c, e in sorted(doc["pooled"]["levels"].items(), key=lambda kv: int(kv[0][1:]))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output")
+    ap.add_argument("six_server", help="results.json of the six-server sweep")
+    ap.add_argument("--zero", help="adaptive_levels.py file of the zero-weight rig (default / fixed 16)")
+    ap.add_argument("--random", help="adaptive_levels.py file of the random-weight rig (default / plain decoding)")
+    args = ap.parse_args()
+    try:
+        with open(args.six_server) as f:
+            sets = over_ar(json.load(f)["rows"])
+        rigs = []
+        for path, goal, what in ((args.zero, 0.98, "zero weights: default / fixed 16"),
+                                 (args.random, 0.95, "random weights: default / plain decoding")):
+            if path:
+                with open(path) as f:
+                    rigs.append((pooled_points(json.load(f)), goal, what))
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"plot_goals: {e}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = len(sets) + (1 if rigs else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    for ax, (dataset, servers) in zip(axes[0], sets.items()):
+        for label, pts in servers.items():
+            ax.plot(*zip(*pts), marker="o", ms=4, color=COLORS.get(label), label=NAMES.get(label, label),
+                    lw=2.2 if label == "adaptive" else 1.2)
+        ax.set(title=f"SmolLM2, {dataset}: tok/s over plain decoding", xlabel="concurrency", ylabel="x plain decoding")
+        ax.set_xscale("log", base=2)
+        levels = sorted({c for pts in servers.values() for c, _ in pts})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    if rigs:
+        ax = axes[0][-1]
+        for k, (pts, goal, what) in enumerate(rigs):
+            shift = 1.06 if k else 1 / 1.06
+            xs = [c * shift for c, *_ in pts]
+            ax.errorbar(xs, [g for _, g, *_ in pts], yerr=[[g - lo for _, g, lo, _, _ in pts], [hi - g for _, g, _, hi, _ in pts]],
+                        fmt="o", capsize=3, color=f"C{k}", label=what)
+            ax.axhline(goal, ls="--", lw=1, color=f"C{k}")
+        ax.axhline(1.0, color="black", lw=0.8)
+        low = min([goal for _, goal, _ in rigs] + [lo for pts, *_ in rigs for _, _, lo, _, _ in pts])
+        ax.set_ylim(bottom=low - 0.01)
+        ax.set(title="8B-shape rig: paired waves (95%), goals dashed", xlabel="concurrency", ylabel="ratio")
+        ax.set_xscale("log", base=2)
+        levels = sorted({c for pts, *_ in rigs for c, *_ in pts})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=110)
+    print(f"plot_goals: wrote {os.path.abspath(args.output)}")
+
+
+if __name__ == "__main__":
+    main()
