@@ -27,11 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from sglang_dflash.bench.stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step  # noqa: E402
 
 A, B = "adaptive", "plugin-fixed"
+COUNTERS = ("decode_steps", "widths_used", "choices", "fallback")
 
 
 def baseline_key(b: str) -> str:
     return "fixed_16" if b == "plugin-fixed" else b.replace("-", "_")
-COUNTERS = ("decode_steps", "widths_used", "choices", "fallback")
 
 
 def since(after, before):
@@ -56,7 +56,7 @@ def server_level(row: dict, grown: dict, a: str = A) -> dict:
     e = {"tok_s": round(row["output_tok_s"], 1), "accept_length": row["accept_length"],
          "policy_us_per_step": round(statistics.median(h["policy"] for h in host), 1) if host else None,
          "call_plus_gap_us_per_step_median_of_waves": round(statistics.median(h["call"] + h["gap"] for h in host), 1) if host else None}
-    if row["impl"] == a:
+    if row["label"] == a:
         asleep = sum(v.get("asleep", 0) for v in (grown.get("choices") or {}).values())
         e["asleep_share"] = round(asleep / grown["decode_steps"], 4) if grown.get("decode_steps") else None
         e["widths_used"] = {k: v for k, v in sorted((grown.get("widths_used") or {}).items(), key=lambda kv: -int(kv[0])) if v}
@@ -67,17 +67,17 @@ def server_level(row: dict, grown: dict, a: str = A) -> dict:
 def run_levels(rows: list[dict], a: str = A, b: str = B) -> dict:
     over = baseline_key(b)
     levels = {}
-    for impl in (a, b):
+    for label in (a, b):
         before = None
-        mine = [r for r in rows if r["impl"] == impl]
+        mine = [r for r in rows if r["label"] == label]  # a label names one server (plugin-fixed-b8)
         # a server that failed reports no counters: its rows read nothing; plain decoding (a baseline)
         # never reports them, so its rows stand on their waves
         served = [r for r in mine if counters(r).get("decode_steps")]
-        if not served and impl == b:
+        if not served and label == b:
             served = [r for r in mine if r.get("wave_tok_s")]
         for row in sorted(served, key=lambda r: counters(r).get("decode_steps", 0)):
             now = {k: counters(row).get(k) for k in COUNTERS}
-            levels.setdefault((row["dataset"], row["concurrency"]), {})[impl] = server_level(row, since(now, before), a)
+            levels.setdefault((row["dataset"], row["concurrency"]), {})[label] = server_level(row, since(now, before), a)
             before = now
     cycles = paired_wave_cycles(rows, a, b)
     out = {}
@@ -129,6 +129,9 @@ def main() -> None:
     over = baseline_key(b)
     commands = dict(c.partition("=")[::2] for c in args.command)
     rows = {os.path.basename(os.path.normpath(d)): load(d) for d in args.runs}
+    labels = {r["label"] for run in rows.values() for r in run}
+    if a not in labels or b not in labels:
+        raise SystemExit(f"adaptive_levels: --pair {a} {b}: the runs hold {', '.join(sorted(labels))}")
     runs = {name: {"command": commands.get(name), "levels": run_levels(r, a, b)} for name, r in rows.items()}
     every = [lv for r in runs.values() for lv in r["levels"].values() if f"host_time_a_step_over_{over}" in lv]
     host = [lv[f"host_time_a_step_over_{over}"] for lv in every]

@@ -247,6 +247,18 @@ def test_adaptive_levels_reads_the_default_against_plain_decoding():
     assert "over_fixed_16" not in levels and m.pooled([[default, ar]], "plugin", "ar")["c8"]["waves"] == 2
 
 
+def test_adaptive_levels_tells_servers_of_one_implementation_apart_by_label():
+    m = load_lab("adaptive_levels")
+    fixed_8 = sweep_row("plugin-fixed", "gsm8k", 4, [50, 50], 5000, 0, 0, 0, 2)
+    fixed_8["label"], fixed_8["output_tok_s"] = "plugin-fixed-b8", 70.0  # a six-server sweep's plugin-fixed@8
+    rows = [sweep_row("adaptive", "gsm8k", 4, [100, 100], 900, 800, 900, 0, 2),
+            sweep_row("plugin-fixed", "gsm8k", 4, [100, 100], 800, 0, 800, 0, 2), fixed_8]
+    c4 = m.run_levels(rows)["gsm8k c4"]
+    assert c4["plugin-fixed"]["tok_s"] == 100.0 and c4["over_fixed_16"]["geomean"] == 1.0
+    assert set(c4) == {"adaptive", "plugin-fixed", "over_fixed_16", "host_time_a_step_over_fixed_16",
+                       "policy_share_of_fixed_16_host_time"}
+
+
 def test_adaptive_levels_skips_a_server_that_reported_nothing():
     m = load_lab("adaptive_levels")
     failed = sweep_row("adaptive", "gsm8k", 4, [], 0, 0, 0, 0, 0)
