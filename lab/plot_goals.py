@@ -37,6 +37,14 @@ def pooled_points(doc: dict) -> list[tuple[int, float, float, float, int]]:
             for c, e in sorted(doc["pooled"]["levels"].items(), key=lambda kv: int(kv[0][1:]))]
 
 
+def concurrency_axis(ax, levels: set[int]) -> None:
+    """Concurrency on a log-2 axis, one tick per level measured."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(levels), [str(c) for c in sorted(levels)])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output")
@@ -67,11 +75,7 @@ def main() -> None:
             ax.plot(*zip(*pts), marker="o", ms=4, color=COLORS.get(label), label=NAMES.get(label, label),
                     lw=2.2 if label == "adaptive" else 1.2)
         ax.set(title=f"SmolLM2, {dataset}: tok/s over plain decoding", xlabel="concurrency", ylabel="x plain decoding")
-        ax.set_xscale("log", base=2)
-        levels = sorted({c for pts in servers.values() for c, _ in pts})
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
+        concurrency_axis(ax, {c for pts in servers.values() for c, _ in pts})
         ax.legend(fontsize=7, loc="best")
     if rigs:
         ax = axes[0][-1]
@@ -85,11 +89,7 @@ def main() -> None:
         low = min([goal for _, goal, _ in rigs] + [lo for pts, *_ in rigs for _, _, lo, _, _ in pts])
         ax.set_ylim(bottom=low - 0.01)
         ax.set(title="8B-shape rig: paired waves (95%), goals dashed", xlabel="concurrency", ylabel="ratio")
-        ax.set_xscale("log", base=2)
-        levels = sorted({c for pts, *_ in rigs for c, *_ in pts})
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
+        concurrency_axis(ax, {c for pts, *_ in rigs for c, *_ in pts})
         ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
