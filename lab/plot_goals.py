@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Issue 27's table in one figure: each server's tok/s over plain decoding, level by level and set by
-set, from a six-server SmolLM2 sweep; then the rigs' paired ratios against their goals.
+set, from a six-server SmolLM2 sweep; then the paired ratios against their goals.
 
     python3 lab/plot_goals.py OUT.png SIX_SERVER/results.json [--zero levels.json] [--random levels.json]
+                              [--mt-bench levels.json]
 
 The SmolLM2 panels divide each server's tok/s at a level by plain decoding's (a run's totals, not
 paired); ``--zero`` draws the default over fixed 16 on the zero-weight rig and ``--random`` the
-default over plain decoding on the random-weight rig (``lab/adaptive_levels.py`` files, pooled
-paired waves with their 95% intervals).
+default over plain decoding on the random-weight rig, ``--mt-bench`` the default over plain decoding
+on SmolLM2's mt-bench (``lab/adaptive_levels.py`` files, pooled paired waves with their 95% intervals).
 """
 
 import argparse
@@ -37,6 +38,18 @@ def pooled_points(doc: dict) -> list[tuple[int, float, float, float, int]]:
             for c, e in sorted(doc["pooled"]["levels"].items(), key=lambda kv: int(kv[0][1:]))]
 
 
+def paired_series(zero: str | None, random: str | None, mt_bench: str | None) -> list[tuple[list, float, str]]:
+    """(pooled points, goal, what) for each adaptive_levels file given, in the order drawn."""
+    series = []
+    for path, goal, what in ((zero, 0.98, "rig, zero weights: default / fixed 16"),
+                             (random, 0.95, "rig, random weights: default / plain decoding"),
+                             (mt_bench, 1.0, "SmolLM2 mt-bench: default / plain decoding")):
+        if path:
+            with open(path) as f:
+                series.append((pooled_points(json.load(f)), goal, what))
+    return series
+
+
 def concurrency_axis(ax, levels: set[int]) -> None:
     """Concurrency on a log-2 axis, one tick per level measured."""
     ax.set_xscale("log", base=2)
@@ -51,16 +64,12 @@ def main() -> None:
     ap.add_argument("six_server", help="results.json of the six-server sweep")
     ap.add_argument("--zero", help="adaptive_levels.py file of the zero-weight rig (default / fixed 16)")
     ap.add_argument("--random", help="adaptive_levels.py file of the random-weight rig (default / plain decoding)")
+    ap.add_argument("--mt-bench", help="adaptive_levels.py file of SmolLM2 on mt-bench (default / plain decoding)")
     args = ap.parse_args()
     try:
         with open(args.six_server) as f:
             sets = over_ar(json.load(f)["rows"])
-        rigs = []
-        for path, goal, what in ((args.zero, 0.98, "zero weights: default / fixed 16"),
-                                 (args.random, 0.95, "random weights: default / plain decoding")):
-            if path:
-                with open(path) as f:
-                    rigs.append((pooled_points(json.load(f)), goal, what))
+        paired = paired_series(args.zero, args.random, args.mt_bench)
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"plot_goals: {e}")
     import matplotlib
@@ -68,7 +77,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = len(sets) + (1 if rigs else 0)
+    panels = len(sets) + (1 if paired else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     for ax, (dataset, servers) in zip(axes[0], sets.items()):
         for label, pts in servers.items():
@@ -77,20 +86,20 @@ def main() -> None:
         ax.set(title=f"SmolLM2, {dataset}: tok/s over plain decoding", xlabel="concurrency", ylabel="x plain decoding")
         concurrency_axis(ax, {c for pts in servers.values() for c, _ in pts})
         ax.legend(fontsize=7, loc="best")
-    if rigs:
+    if paired:
         ax = axes[0][-1]
-        for k, (pts, goal, what) in enumerate(rigs):
-            shift = 1.06 if k else 1 / 1.06
+        for k, (pts, goal, what) in enumerate(paired):
+            shift = 1.06 ** (2 * k - (len(paired) - 1))  # side by side, centred on the level
             xs = [c * shift for c, *_ in pts]
             ax.errorbar(xs, [g for _, g, *_ in pts], yerr=[[g - lo for _, g, lo, _, _ in pts], [hi - g for _, g, _, hi, _ in pts]],
                         fmt="o", capsize=3, color=f"C{k}", label=what)
             ax.axhline(goal, ls="--", lw=1, color=f"C{k}")
         ax.axhline(1.0, color="black", lw=0.8)
-        low = min([goal for _, goal, _ in rigs] + [lo for pts, *_ in rigs for _, _, lo, _, _ in pts])
+        low = min([goal for _, goal, _ in paired] + [lo for pts, *_ in paired for _, _, lo, _, _ in pts])
         ax.set_ylim(bottom=low - 0.01)
-        ax.set(title="8B-shape rig: paired waves (95%), goals dashed", xlabel="concurrency", ylabel="ratio")
-        concurrency_axis(ax, {c for pts, *_ in rigs for c, *_ in pts})
-        ax.legend(fontsize=7, loc="lower left")
+        ax.set(title="paired waves (95%), goals dashed", xlabel="concurrency", ylabel="ratio")
+        concurrency_axis(ax, {c for pts, *_ in paired for c, *_ in pts})
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
     print(f"plot_goals: wrote {os.path.abspath(args.output)}")

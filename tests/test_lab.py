@@ -1,5 +1,6 @@
 """The lab's reference-server shim: SGLang's penalizers in one order, whatever the process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -276,3 +277,14 @@ def test_plot_goals_divides_each_server_by_plain_decoding_at_its_own_level():
     doc = {"pooled": {"levels": {"c16": {"geomean": 0.97, "ci95": [0.96, 0.98], "waves": 6},
                                  "c2": {"geomean": 0.99, "ci95": [0.98, 1.0], "waves": 8}}}}
     assert m.pooled_points(doc) == [(2, 0.99, 0.98, 1.0, 8), (16, 0.97, 0.96, 0.98, 6)]
+
+
+def test_plot_goals_holds_mt_bench_to_plain_decoding_beside_the_rigs(tmp_path):
+    m = load_lab("plot_goals")
+    level = {"pooled": {"levels": {"c4": {"geomean": 1.1, "ci95": [1.05, 1.15], "waves": 9}}}}
+    path = tmp_path / "levels.json"
+    path.write_text(json.dumps(level))
+    series = m.paired_series(str(path), None, str(path))
+    assert [(goal, what.split(":")[0]) for _, goal, what in series] == [(0.98, "rig, zero weights"),
+                                                                       (1.0, "SmolLM2 mt-bench")]
+    assert series[1][0] == [(4, 1.1, 1.05, 1.15, 9)]
