@@ -22,13 +22,12 @@ NAMES = {"ar": "plain decoding", "plugin-fixed": "fixed 16", "plugin-fixed-b8": 
 
 
 def over_ar(rows: list[dict]) -> dict:
-    """{dataset: {label: [(concurrency, tok/s over plain decoding's)]}}."""
-    ar = {(r["dataset"], r["concurrency"]): r["output_tok_s"] for r in rows if r["label"] == "ar"}
+    """{dataset: {label: [(concurrency, tok/s over plain decoding's)]}}, from the ``speedup`` the sweep
+    wrote into each row (``sglang_dflash.bench.stats.add_speedups``)."""
     out: dict = {}
     for r in sorted(rows, key=lambda r: r["concurrency"]):
-        base = ar.get((r["dataset"], r["concurrency"]))
-        if base and r["output_tok_s"]:
-            out.setdefault(r["dataset"], {}).setdefault(r["label"], []).append((r["concurrency"], r["output_tok_s"] / base))
+        if r.get("speedup"):
+            out.setdefault(r["dataset"], {}).setdefault(r["label"], []).append((r["concurrency"], r["speedup"]))
     return out
 
 
