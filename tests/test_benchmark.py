@@ -734,11 +734,13 @@ def test_every_option_of_every_command_is_documented(module, monkeypatch, capsys
 
 def test_scripts_and_lab_runbooks_answer_help():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tools = [[sys.executable, path] for folder in ("scripts", "lab") for path in glob.glob(os.path.join(root, folder, "*.py"))]
+    tools = [[sys.executable, path] for path in glob.glob(os.path.join(root, "scripts", "*.py"))]
+    tools += [[sys.executable, "-m", f"lab.{os.path.basename(path)[:-3]}"]  # a package: run from the root
+              for path in glob.glob(os.path.join(root, "lab", "*.py")) if not path.endswith("__init__.py")]
     tools += [["bash", path] for folder in ("scripts", "lab") for path in glob.glob(os.path.join(root, folder, "*.sh"))]
     assert len(tools) >= 15
     for tool in tools:
-        done = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120, cwd=root)
         assert done.returncode == 0 and done.stdout.strip(), (tool, done.stderr[-2000:])
 
 
