@@ -4,7 +4,9 @@
 # Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
 #   bash lab/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
 #   bash lab/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
-#   DFLASH_LOAD_SECONDS=300 bash lab/gpu_tests.sh reliability    # odd requests, 1000 with aborts, c64 load
+#   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smol-draft bash lab/gpu_tests.sh reliability
+#                                # odd requests (AR, built-in, plugin), the openai client, c64 load with
+#                                # cancels on SmolLM2 and the Qwen3.5 hybrid (lab/gpu_reliability.sh stages it)
 #   DFLASH_TP_SIZE=2 bash lab/gpu_tests.sh "float32 and greedy" # on nvidia-h200-x2
 #   bash lab/gpu_tests.sh "hybrid and not builtin"              # Qwen3.5 hybrid target, draft window
 #   bash lab/gpu_tests.sh "hybrid and builtin"                  # the built-in on the checkpoint test
