@@ -98,9 +98,12 @@ def test_a_crash_is_recorded_with_its_cause_and_the_server_restarted(monkeypatch
     monkeypatch.setattr(odd_inputs, "post", post)
     log = "INFO serving\nScheduler hit an exception: Traceback (most recent call last):\n" \
           "RuntimeError: cannot reshape tensor of 0 elements into shape [0, -1, 64]\nINFO killed\n"
+    kept, seen = {}, []
     out = odd_inputs.run_cases(FakeServer(log), CASES, lambda url: state["up"], restart,
-                               only=["empty text", "n 0", "top_k 0"])
-    assert set(out) == {"empty text", "n 0", "top_k 0"} and state["restarts"] == 1
+                               only=["empty text", "n 0", "top_k 0"], out=kept,
+                               recorded=lambda: seen.append((len(kept), state["restarts"])))
+    assert out is kept and set(out) == {"empty text", "n 0", "top_k 0"} and state["restarts"] == 1
+    assert seen == [(1, 0), (2, 1), (3, 1)]  # each outcome kept before the restart that follows it
     assert out["empty text"]["outcome"] == "crashed"
     assert out["empty text"]["cause"].startswith("RuntimeError: cannot reshape tensor of 0 elements")
     assert out["n 0"]["outcome"] == "refused" and out["top_k 0"]["outcome"] == "served"

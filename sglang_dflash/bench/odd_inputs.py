@@ -191,9 +191,11 @@ def problems(results: dict, subject: str = "plugin", reference: str = "ar") -> l
 
 
 def run_cases(server, cases: dict[str, OddCase], alive: Callable[[str], bool], restart: Callable[[], None],
-              only: Optional[list[str]] = None) -> dict:
-    """Every case against one server, restarting it after a crash."""
-    out = {}
+              only: Optional[list[str]] = None, out: Optional[dict] = None,
+              recorded: Callable[[], None] = lambda: None) -> dict:
+    """Every case against one server, restarting it after a crash. Each outcome goes into ``out``
+    as it comes, and ``recorded`` is called after it: a run cut off keeps what it measured."""
+    out = {} if out is None else out
     for name, case in cases.items():
         if only and name not in only:
             continue
@@ -202,6 +204,8 @@ def run_cases(server, cases: dict[str, OddCase], alive: Callable[[str], bool], r
         out[name] = outcome(status, body, up, case)
         if not up:
             out[name]["cause"] = crash_line(server.log_tail(200))
+        recorded()
+        if not up:
             restart()
     return out
 
