@@ -143,23 +143,57 @@ def write_rig(out_dir: str, shape: str = "qwen3-8b", block_size: int = 16,
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
-        weights = os.path.join(folder, "model.safetensors")
-        if not os.path.exists(weights) or not same_tensors(weights, tensors):
-            write_sparse_safetensors(weights, tensors)  # a hole: rewriting costs nothing
+        if shape in HYBRID_SHAPES:
+            if read_shapes(folder) != tensors:  # absent, or another layout: a hole costs nothing to rewrite
+                write_sharded(folder, tensors)
+        elif not os.path.exists(os.path.join(folder, "model.safetensors")):
+            write_sparse_safetensors(os.path.join(folder, "model.safetensors"), tensors)
         paths.append(folder)
     return paths[0], paths[1]
 
 
-def same_tensors(path: str, tensors: dict[str, tuple[int, ...]]) -> bool:
-    """The file's header names these tensors at these shapes (a layout switch rewrites it)."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error):
-        return False
-    header.pop("__metadata__", None)
-    return {k: tuple(v["shape"]) for k, v in header.items()} == dict(tensors)
+SHARD_BYTES = 5 * 10**9  # as published checkpoints shard: one 50-70 GB file is mapped whole by some loaders
+
+
+def write_sharded(folder: str, tensors: dict[str, tuple[int, ...]], shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Sparse shards of at most ``shard_bytes`` (a bigger tensor alone in one) and the index that
+    names each tensor's shard; earlier shards in ``folder`` are removed."""
+    for old in os.listdir(folder):
+        if old.endswith(".safetensors") or old == "model.safetensors.index.json":
+            os.remove(os.path.join(folder, old))
+    shards, size = [{}], 0
+    for name, shape in tensors.items():
+        n = 2 * math.prod(shape)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shape
+        size += n
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        write_sparse_safetensors(os.path.join(folder, file), shard)
+        weight_map.update(dict.fromkeys(shard, file))
+        files.append(file)
+    if len(shards) > 1:
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": tensor_bytes(tensors)}, "weight_map": weight_map}, f, indent=1)
+    return files
+
+
+def read_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the headers of every safetensors file in ``folder`` (nothing mapped)."""
+    out = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        try:
+            with open(os.path.join(folder, file), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            return {}
+        header.pop("__metadata__", None)
+        out.update({k: tuple(v["shape"]) for k, v in header.items()})
+    return out
 
 
 def tensor_bytes(tensors: dict[str, tuple[int, ...]], itemsize: int = 2) -> int:
