@@ -286,21 +286,21 @@ def test_hybrid_target_tensors_are_the_transformers_models_state_dict(shape, lay
     assert state == rig_hybrid.target_tensors(s, layout)
 
 
-def test_sglangs_qwen3_5_loaders_read_the_names_the_rig_writes():
-    """SGLang's loaders map checkpoint names by substring: the names the rig writes are the ones
-    they look for (fused GDN projections, fused or per-expert experts, the multimodal prefix)."""
-    qwen3_5 = pytest.importorskip("sglang.srt.models.qwen3_5")
-    import inspect
+def test_sglangs_own_qwen3_5_classes_load_every_parameter_from_the_rigs_names():
+    """SGLang's model classes for both layouts, built on the CPU at tiny widths, take every
+    parameter from the names and shapes the rig writes (tests/sglang_rig_load.py, a process of
+    its own: it opens a one-rank process group)."""
+    pytest.importorskip("sglang.srt.models.qwen3_5")
+    import subprocess
 
-    dense = inspect.getsource(qwen3_5.Qwen3_5ForCausalLM.load_weights)
-    moe = inspect.getsource(qwen3_5.Qwen3_5MoeForCausalLM.load_weights)
-    for fragment in ("in_proj_qkv.", "in_proj_z.", "in_proj_b.", "in_proj_a.", "model.language_model.", "gate_proj",
-                     "up_proj"):
-        assert fragment in dense and fragment in moe
-    assert "experts.gate_up_proj" in moe and "experts.down_proj" in moe and "mlp.shared_expert." in moe
-    names = set(rig_hybrid.target_tensors(rig_hybrid.SHAPES["qwen3.6-35b-a3b"]))
-    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names
-    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    script = os.path.join(os.path.dirname(__file__), "sglang_rig_load.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert set(result) == {f"{shape}/{layout}" for shape in rig_hybrid.SHAPES for layout in ("multimodal", "text")}
+    for key, r in result.items():
+        assert r["params"] > 40 and r["unloaded"] == [] and r["not_found"] == [], key
 
 
 @pytest.mark.parametrize("shape", sorted(rig_hybrid.SHAPES))
