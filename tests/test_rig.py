@@ -261,6 +261,7 @@ def test_the_drafts_weigh_what_their_cards_and_ports_say():
     assert 8.3 < gb["qwen3.5-4b"]["target_gb"] < 8.5  # text weights; the vision tower is left out
     assert 53 < gb["qwen3.5-27b"]["target_gb"] < 55
     assert 69 < gb["qwen3.6-35b-a3b"]["target_gb"] < 70 and gb["qwen3.6-35b-a3b"]["two_servers_gb"] > 139  # one H200: 141
+    assert 35 < gb["qwen3.6-35b-a3b"]["fp8_target_gb"] < 37  # experts at one byte; embedding and lm_head as they are
 
 
 @pytest.mark.parametrize("layout", ["multimodal", "text"])

@@ -350,12 +350,22 @@ def server_env(shape: str, weights: Optional[str]) -> dict:
     return {ROUTING_ENV: "1"} if s is not None and s.moe and weights == "zero" else {}
 
 
+def fp8_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
+    """Weight bytes under ``--quantization fp8`` (an estimate): projections and experts at one
+    byte, the embedding, lm_head, routers, convolutions and norms as they are."""
+    kept = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")
+    return sum(math.prod(shape) * (2 if len(shape) < 2 or name.endswith(kept) else 1)
+               for name, shape in tensors.items())
+
+
 def memory_report(shape: str, block_size: int = 16) -> dict:
-    """Weight bytes of the rig's two checkpoints, so a runner can tell which servers fit a GPU.
-    A plain server holds the target; a DFLASH server the target and the draft. FP8
-    (``--quantization fp8``) halves the linear weights, not the embedding or the norms."""
+    """Weight bytes of the rig's two checkpoints, so a runner can tell which servers fit a GPU
+    (an H200 holds 141 GB; each server also needs KV, recurrent state and CUDA graphs). A plain
+    server holds the target; a DFLASH server the target and the draft."""
     s = SHAPES[shape]
-    target, draft = tensor_bytes(target_tensors(s)), tensor_bytes(draft_tensors(s, block_size))
+    t, d = target_tensors(s), draft_tensors(s, block_size)
+    target, draft = tensor_bytes(t), tensor_bytes(d)
     return {"target_gb": round(target / 1e9, 2), "draft_gb": round(draft / 1e9, 2),
             "plugin_server_gb": round((target + draft) / 1e9, 2),
-            "two_servers_gb": round((2 * target + draft) / 1e9, 2)}
+            "two_servers_gb": round((2 * target + draft) / 1e9, 2),  # plain decoding beside one DFLASH server
+            "fp8_target_gb": round(fp8_bytes(t) / 1e9, 2)}
