@@ -353,6 +353,17 @@ def test_a_moe_verify_step_reads_as_many_experts_as_text_would():
     assert 1.1 < rig.floor_ratio("qwen3.5-27b", 16)["floor_ratio_c1"] < rig.floor_ratio("qwen3.5-4b", 8)["floor_ratio_c1"]
 
 
+def test_a_runner_reads_each_hybrid_rigs_bytes_floors_and_routing_at_a_glance():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "sglang_dflash.bench.rig"], capture_output=True, text=True, timeout=300)
+    told = json.loads(done.stdout)
+    assert set(told) == set(rig_hybrid.SHAPES) and told["qwen3.5-27b"]["memory"]["two_servers_gb"] < 141
+    moe = told["qwen3.6-35b-a3b"]
+    assert moe["server_env"]["zero"] == {"SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"} and moe["floor_ratio_c1"]["b16"] > 4
+    assert moe["experts_per_layer_per_verify"]["c1/b1"] == 8 and moe["experts_per_layer_per_verify"]["c8/b16"] > 240
+
+
 def test_the_qwen3_8b_rig_is_byte_for_byte_what_it_was(tmp_path):
     """Config and safetensors header (the data is a hole) as main wrote them before the hybrids."""
     import hashlib

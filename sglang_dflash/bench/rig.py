@@ -271,3 +271,20 @@ def server_flags(mode: str) -> list[str]:
 def server_env(mode: str, shape: str) -> dict:
     """Environment for every server on the rig (the MoE zero rig's expert routing)."""
     return rig_hybrid.server_env(shape, mode)
+
+
+def describe(shape: str) -> dict:
+    """What a runner needs before starting servers on a hybrid rig: weight bytes, the bytes floor
+    at block 16 and 8, the experts a verify step reads, and where the shapes come from."""
+    h = HYBRID_SHAPES[shape]
+    out = {"memory": rig_hybrid.memory_report(shape),
+           "floor_ratio_c1": {f"b{b}": round(floor_ratio(shape, b)["floor_ratio_c1"], 3) for b in (16, 8)},
+           "server_env": {w: rig_hybrid.server_env(shape, w) for w in MODES}, "sources": h.sources}
+    if h.moe:
+        out["experts_per_layer_per_verify"] = {
+            f"c{c}/b{b}": rig_hybrid.verify_step_experts(h, c, b) for c in (1, 8, 32) for b in (16, 8, 1)}
+    return out
+
+
+if __name__ == "__main__":  # python -m sglang_dflash.bench.rig: the hybrid rigs at a glance
+    print(json.dumps({shape: describe(shape) for shape in sorted(HYBRID_SHAPES)}, indent=1))

@@ -100,8 +100,8 @@ SHAPES = {
         sources={
             "target": "found: THUDM/slime pull 1721 (scripts/models/qwen3.5-4B.sh, 'checked against the "
                       "HuggingFace Qwen3.5-4B config': 32 layers, hidden 2560, 16/4 heads of 256, FFN 9216, "
-                      "vocab 248320, rope 1e7, rotary 0.25); linear heads 16 QK / 32 V of 128 and tied "
-                      "embeddings from Qwen3.5-4B text_config fixtures and sgl-project/SpecForge "
+                      "vocab 248320, rope 1e7, rotary 0.25); linear heads 16 QK / 32 V of 128 from Qwen3.5-4B "
+                      "text_config test fixtures in public repositories; tied embeddings from sgl-project/SpecForge "
                       "configs/qwen3.5-4b-vl-dflash.json@1827372 (tie_word_embeddings true, 32 target layers)",
             "draft": "derived: no config.json found. z-lab layout of z-lab/Qwen3.6-35B-A3B-DFlash (6 layers, "
                      "5 sliding_attention + 1 full, 32/8 heads of 128, 8 taps by the default rule); the seed "
@@ -136,10 +136,12 @@ SHAPES = {
                          sliding_layers=5, sliding_window=4096),
         sources={
             "target": "found: a public Qwen3.6-35B-A3B converter that checks the checkpoint's config.json "
-                      "(surogate serve tools/convert/qwen3_6_35b_a3b/convert.py: Qwen3_5MoeForConditionalGeneration, "
+                      "(surogate serve tools/convert/qwen3_6_35b_a3b/convert.py, found by content search, its "
+                      "repository unnamed by the index: Qwen3_5MoeForConditionalGeneration, "
                       "40 layers, hidden 2048, 16/2 heads of 256, linear 16 QK / 32 V of 128, 256 experts, "
                       "top 8, expert FFN 512, shared 512, untied), agreeing with the model card",
-            "draft": "found: the same converter's check of the z-lab DFlash config.json (6 layers: 5 "
+            "draft": "found: the same converter's check of the DFlash config.json it reads beside the model "
+                     "(Qwen3.6-35B-A3B/dflash-bf16; 6 layers: 5 "
                      "sliding_attention window 4096 + 1 full, 32/8 heads of 128, FFN 6144, taps "
                      "[1,6,11,16,22,27,32,37], mask 248077, block 16, rope 1e7). 0.39e9 parameters; the card "
                      "rounds to 0.5B",
