@@ -217,6 +217,10 @@ def server_flags(args) -> list[str]:
     return flags
 
 
+def server_env(args) -> dict:
+    return rig.server_env(args.rig, args.rig_shape) if getattr(args, "rig", None) else {}
+
+
 # ---------------------------------------------------------------------------------------------
 # Sweep
 
@@ -468,9 +472,9 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
     """Launch each server in turn (or use the running one) and measure every dataset and concurrency."""
     datasets = {}
     if args.rig:
-        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape, args.block_sizes[0] or 16)
+        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape, args.block_sizes[0] or 16, args.rig_layout)
         datasets[args.datasets[0]] = rig.rig_payloads(args.num_prompts, args.rig_prompt_len, args.max_new_tokens,
-                                                      rig.SHAPES[args.rig_shape].vocab)
+                                                      rig.vocab(args.rig_shape))
     else:
         problem = problem_with_cache(args.datasets, args.data_dir)
         if problem:  # before any tokenizer is loaded or server started
@@ -485,7 +489,8 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
     for name in args.impls:
         impl, size = split_block_size(name)
         sizes = [size] if size else args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
-        specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
+        specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args), server_env(args))
+                  for b in sizes]
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
     busy = None if args.skip_launch else busy_gpu_warning(gpu_processes())
