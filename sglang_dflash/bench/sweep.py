@@ -37,6 +37,7 @@ from . import rig
 from .cli import comma_list, parser
 from .client import flush_cache, kv_loads, progress, run_requests, server_info
 from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
+from .heldout import Prompt, chat_messages
 from .report import markdown_report, plot, update_summary
 from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, busy_gpu_warning, checkpoint_bytes, cpu_slices,
@@ -54,14 +55,15 @@ RIG_SETTINGS = ("rig", "rig_shape", "rig_prompt_len", "block_sizes", "server_arg
 # Prompts
 
 
-def render_prompts(prompts: list[str], model_path: str, thinking: bool) -> list[dict]:
-    """Apply the target's chat template client-side, as the DFlash reference benchmark does."""
+def render_prompts(prompts: list[Prompt], model_path: str, thinking: bool) -> list[dict]:
+    """Apply the target's chat template client-side, as the DFlash reference benchmark does; a multi-turn
+    prompt (a list of messages) is rendered whole, ending in the prompt for the next assistant turn."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
     out = []
     for p in prompts:
-        msgs = [{"role": "user", "content": p}]
+        msgs = chat_messages(p)
         try:
             text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
         except (TypeError, ValueError):
