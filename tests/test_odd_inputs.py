@@ -165,3 +165,38 @@ def test_the_load_mixes_the_parameter_sets_users_send():
     assert all(p.get("min_new_tokens", 0) <= p["max_new_tokens"] for p in params)
     assert all(math.isfinite(p.get("temperature", 1.0)) for p in params)
     assert all(b["text"] == m["text"] for b, m in zip(base, mixed))
+
+
+def test_the_reliability_evidence_reads_into_the_summary_form(tmp_path):
+    """lab/reliability_summary.py turns the GPU group's three files into issue 77's summary keys."""
+    import os
+    import subprocess
+    import sys
+
+    odd = {"by_impl": {
+        "ar": {"outcomes": {"empty text": {"outcome": "crashed", "status": 0, "cause": "RuntimeError: cannot reshape"},
+                            "n 2": {"outcome": "served", "status": 200}}},
+        "plugin": {"outcomes": {"empty text": {"outcome": "refused", "status": 400, "message": "The prompt is empty"},
+                                "n 2": {"outcome": "served", "status": 200}}}}}
+    openai = {"compare": {"n=2": "same"}, "self": {"plugin": {"chat stream joins to the unstreamed text": "same"}}}
+    load = {"seconds": 300, "pairs": {"smollm2": {
+        "requests": 900, "aborted": 230, "errors": 0, "output_tok_s": 5000.0,
+        "start": {"memory": {"gpu_mb": 40000, "host_rss_mb": 3000}, "idle": {"kv_used_tokens": 0}},
+        "end": {"memory": {"gpu_mb": 40010, "host_rss_mb": 3050},
+                "idle": {"kv_used_tokens": 0, "running_reqs": 0, "state_slots_used": None}}}}}
+    for part, body in (("odd", odd), ("openai", openai), ("load", load)):
+        (tmp_path / f"reliability-0.5.23-{part}.json").write_text(json.dumps(body))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "lab", "reliability_summary.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True)
+    rel = json.loads(out.stdout)["0.5.23"]
+    assert rel["odd"] == {"empty text": {"ar": "crashed", "plugin": "refused"}, "n 2": {"ar": "served", "plugin": "served"}}
+    assert rel["empty_prompt_cause"].startswith("ar: crashed (RuntimeError: cannot reshape)")
+    assert rel["openai_client"] == {"n=2": "same", "chat stream joins to the unstreamed text (plugin)": "same"}
+    smol = rel["load"]["smollm2"]
+    assert smol["aborts"] == 230 and smol["kv_idle"] and smol["state_idle"]
+    assert smol["gpu_mem_mb"] == [40000, 40010] and smol["host_rss_mb"] == [3000, 3050]
+    assert len(rel["evidence"]) == 3
+    empty = subprocess.run([sys.executable, os.path.join(root, "lab", "reliability_summary.py"), str(tmp_path / "x")],
+                           capture_output=True, text=True)
+    assert empty.returncode == 2 and "no such folder" in empty.stderr
