@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The 8B-shape rig (sparse checkpoints written on the spot, no download) on the GPU machine, once
+# The real-shape rig (sparse checkpoints written on the spot, no download) on the GPU machine, once
 # the kit (and, for fa3, FA3's parts) is staged by lab/gpu_setup.sh:
 #   bash lab/gpu_rig.sh profile WEIGHTS BACKEND OUTDIR   step profile, plugin then built-in, c1/c8/c32
 #   bash lab/gpu_rig.sh bench WEIGHTS BACKEND OUTDIR     ar, plugin and built-in interleaved, c1/c8/c32
 # WEIGHTS: zero (every draft accepted) or random (tau ~ 1); BACKEND: fa3, triton or flashinfer.
-# SGLANG_VERSION (default 0.5.23) picks the kit and the CUDA-graph flags; IMPLS, WAVES,
-# CONCURRENCIES, GRAPH_BS and KV_GB override the defaults (ar,plugin,builtin; 24; 1,8,32; 32; 4 GiB of KV
-# a server, 6 above c48); the plugin verifies adaptive widths unless IMPLS names plugin-fixed; EXTRA_FLAGS
+# SHAPE picks the rig (--rig-shape: qwen3-8b by default, or qwen3.5-4b, qwen3.5-27b, qwen3.6-35b-a3b;
+# the 35B-A3B zero rig routes with SGLANG_SIMULATE_UNIFORM_EXPERTS=1, set by the sweep), LAYOUT its target
+# classes (--rig-layout; text for 0.5.17). SGLANG_VERSION (default 0.5.23) picks the kit and the
+# CUDA-graph flags; IMPLS, WAVES, CONCURRENCIES, GRAPH_BS and KV_GB override the defaults
+# (ar,plugin,builtin; 24; 1,8,32; 32; 4 GiB of KV a server, 6 above c48); the plugin verifies adaptive widths unless IMPLS names plugin-fixed; EXTRA_FLAGS
 # go to every server (--enable-metrics: each request's first-token time split at SGLang's stamps);
 # WAVE=1 profiles one whole wave of 256-token requests, its prefill included, instead of 20 steps;
 # LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
@@ -32,6 +34,7 @@ esac
 prefill_graphs=${PREFILL_GRAPHS:-4096}
 [ "$prefill_graphs" = off ] || graphs="--cuda-graph-max-bs-prefill $prefill_graphs ${graphs#--disable-* }"
 flags="--attention-backend $backend $graphs --log-level warning ${EXTRA_FLAGS:-}"
+rig_shape="--rig-shape ${SHAPE:-qwen3-8b} --rig-layout ${LAYOUT:-multimodal}"
 # SGLang caps a speculative server at 48 running requests; beyond that every level's servers must
 # run all their requests, or DFLASH runs c64 in two rounds where plain decoding runs one.
 [ "${GRAPH_BS:-32}" -gt 48 ] && flags+=" --max-running-requests $GRAPH_BS"
@@ -43,13 +46,13 @@ kv_gb=${KV_GB:-$([ "$top" -gt 48 ] && echo 6 || echo 4)}
 mkdir -p "$out"
 case $mode in
     profile)
-        python3 -m sglang_dflash.bench.profile_step --rig "$weights" --impls "${IMPLS:-plugin,builtin}" \
+        python3 -m sglang_dflash.bench.profile_step --rig "$weights" $rig_shape --impls "${IMPLS:-plugin,builtin}" \
             --concurrency "$concs" --steps 20 --trace-dir /tmp/traces-$weights-$backend \
             $(case ${LIGHT:-0} in 1) echo --light ;; both) echo --light-too ;; esac) \
             $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens 2048") \
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)
-        python3 -m sglang_dflash.bench.sweep --rig "$weights" --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
+        python3 -m sglang_dflash.bench.sweep --rig "$weights" $rig_shape --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
             --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens 256 \
             $([ "${PIN:-0}" = 1 ] && echo --pin-cpus) ${BUDGET:+--time-budget $BUDGET} \
             --kv-cache-gb "$kv_gb" --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;

@@ -4,7 +4,9 @@
 # Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
 #   bash lab/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
 #   bash lab/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
-#   DFLASH_LOAD_SECONDS=300 bash lab/gpu_tests.sh reliability    # odd requests, 1000 with aborts, c64 load
+#   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smol-draft bash lab/gpu_tests.sh reliability
+#                                # odd requests (AR, built-in, plugin), the openai client, c64 load with
+#                                # cancels on SmolLM2 and the Qwen3.5 hybrid (lab/gpu_reliability.sh stages it)
 #   DFLASH_TP_SIZE=2 bash lab/gpu_tests.sh "float32 and greedy" # on nvidia-h200-x2
 #   bash lab/gpu_tests.sh "hybrid and not builtin"              # Qwen3.5 hybrid target, draft window
 #   bash lab/gpu_tests.sh "hybrid and builtin"                  # the built-in on the checkpoint test
@@ -23,4 +25,4 @@ cd "$(dirname "$0")/.."
 source lab/gpu_setup.sh "${SGLANG_VERSION:-0.5.17}" || exit 0
 export DFLASH_TINY_DIR=${DFLASH_TINY_DIR:-/tmp/dflash-tiny} DFLASH_GPU_RESULTS=${OUT:-$PWD/gpu-results}
 [ -f "$DFLASH_TINY_DIR/draft/model.safetensors" ] || python3 scripts/make_tiny_pair.py "$DFLASH_TINY_DIR" > /dev/null 2>&1
-python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${1:+-k "$1"} 2>&1 | grep -vE "it/s\]|s/it\]" | tee "$DFLASH_GPU_RESULTS/pytest.log"
+python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${1:+-k "$1"} 2>&1 | grep -vE "it/s\]|s/it\]" | tee "$DFLASH_GPU_RESULTS/${DFLASH_PYTEST_LOG:-pytest.log}"

@@ -85,6 +85,7 @@ HOOK_TARGETS = {
     "stop_before_length": "sglang.srt.managers.schedule_batch.Req.update_finish_state",
     "allow_logprobs": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
     "server_info": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+    "refuse_unrunnable_prompt": "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 # Target attention backends on which a width-1 step runs as a plain DECODE forward. Their decode
@@ -348,7 +349,8 @@ class SGLangRelease:
     def hook_targets(self) -> dict[str, str]:
         """The hooks this release needs, by name."""
         targets = {name: HOOK_TARGETS[name]
-                   for name in ("create_worker", "handle_dflash_args", "resolve_algorithm", "server_info")}
+                   for name in ("create_worker", "handle_dflash_args", "resolve_algorithm", "server_info",
+                                 "refuse_unrunnable_prompt")}
         if not self.has("stops_before_budget"):
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
         if not self.has("logprobs_reach_worker"):
@@ -384,6 +386,9 @@ class SGLangRelease:
             Symbol("sglang.srt.layers.radix_attention", "RadixAttention.__init__",
                    ("sliding_window_size", "attn_type", "prefix")),
             Symbol("sglang.srt.layers.rotary_embedding", "RotaryEmbedding"),
+            # request_checks: the tokenized prompt, checked where SGLang checks its length
+            Symbol("sglang.srt.managers.tokenizer_manager", "TokenizerManager._validate_one_request",
+                   ("obj", "input_ids")),
             Symbol("sglang.srt.layers.rotary_embedding", "get_rope"),
             Symbol("sglang.srt.model_loader.weight_utils", "default_weight_loader"),
             Symbol("sglang.srt.runtime_context", "get_parallel"),

@@ -17,6 +17,9 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
   and strings, so a stop inside a multi-token verify step that also reaches the budget was lost.
 * ``Scheduler.get_internal_state``: ``/get_server_info`` carries the worker's own figures under
   ``dflash`` (the verify widths it used).
+* ``TokenizerManager._validate_one_request``: a request no forward can run (an empty prompt, token
+  ids outside the vocabulary, more top logprobs than tokens) is refused with a 400 instead of
+  ending the scheduler (``request_checks.py``).
 * ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
   DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
 
@@ -87,6 +90,7 @@ def register() -> None:
         "stop_before_length": stop_before_length_hook,
         "allow_logprobs": allow_logprobs_hook,
         "server_info": server_info_hook,
+        "refuse_unrunnable_prompt": refuse_unrunnable_prompt_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
@@ -249,4 +253,46 @@ def server_info_hook(original, scheduler, recv_req):
     report = getattr(getattr(scheduler, "draft_worker", None), "server_info", None)
     if _serving and callable(report) and isinstance(getattr(out, "internal_state", None), dict):
         out.internal_state["dflash"] = report()
+        state_pool = recurrent_state_slots(scheduler)
+        if state_pool is not None:
+            out.internal_state["dflash"]["state_pool"] = state_pool
     return out
+
+
+def recurrent_state_slots(scheduler):
+    """A hybrid target's recurrent-state pool, ``{"used", "size"}`` slots (None on other targets):
+    /v1/loads counts KV tokens only, and a leaked state slot fails admissions as surely."""
+    pool = getattr(scheduler, "req_to_token_pool", None)
+    allocator = getattr(pool, "mamba_allocator", None)
+    size = getattr(allocator, "size", None)
+    if allocator is None or not isinstance(size, int):
+        return None
+    return {"used": size - int(allocator.available_size()), "size": size}
+
+
+def refuse_unrunnable_prompt_hook(original, tokenizer_manager, obj, input_ids, *args, **kwargs):
+    """A prompt that would end the scheduler is refused like one past the context: ValueError, a 400.
+
+    The tokenizer runs in another process than the worker, so ``_serving`` is not known here: the
+    server's own arguments say whether the plugin serves it (checked once per tokenizer manager)."""
+    original(tokenizer_manager, obj, input_ids, *args, **kwargs)
+    if not _plugin_serves(tokenizer_manager):
+        return
+    from .request_checks import has_session, prompt_problem, top_logprobs_problem
+
+    vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
+    if not vocab:
+        return
+    problem = prompt_problem(input_ids, vocab, has_session(obj)) or top_logprobs_problem(obj, vocab)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _plugin_serves(tokenizer_manager) -> bool:
+    serves = getattr(tokenizer_manager, "_sglang_dflash_serves", None)
+    if serves is None:
+        args = getattr(tokenizer_manager, "server_args", None)
+        algorithm = str(getattr(args, "speculative_algorithm", None) or "").upper()
+        serves = algorithm == "DFLASH" and _builtin_for_this_server(args) is None
+        tokenizer_manager._sglang_dflash_serves = serves
+    return serves

@@ -592,3 +592,58 @@ def test_hybrid_targets_are_told_apart_by_their_config(tmp_path):
         "hidden_size": 64, "num_hidden_layers": 8, "layer_types": ["linear_attention"] * 8}))
     assert not attention_only_target(write_target(str(tmp_path / "nemotron"), architectures=["NemotronHForCausalLM"],
                                                   hybrid_override_pattern="M-M*"))
+
+
+def tokenizer_manager(tmp_path, algorithm="DFLASH", vocab=4096, **overrides):
+    args = server_args(tmp_path, speculative_algorithm=algorithm, **overrides)
+    return SimpleNamespace(server_args=args, model_config=SimpleNamespace(vocab_size=vocab))
+
+
+@pytest.mark.parametrize("input_ids, reason", [
+    ([], "The prompt is empty"),
+    ([5, -1, 7], "token id -1, outside the model's vocabulary [0, 4096)"),
+    ([5, 4096], "token id 4096, outside the model's vocabulary [0, 4096)"),
+])
+def test_a_prompt_no_forward_can_run_is_refused_like_an_overlong_one(tmp_path, input_ids, reason):
+    """An empty prompt (SmolLM2's tokenizer adds no BOS to "") reached the scheduler, whose rotary
+    embedding cannot reshape 0 tokens, and the server died; ids outside the vocabulary fail the
+    embedding lookup on the GPU. SGLang refuses an overlong prompt with ValueError, a 400: so do we."""
+    seen = []
+    with pytest.raises(ValueError) as e:
+        integration.refuse_unrunnable_prompt_hook(lambda tm, obj, ids: seen.append(ids), tokenizer_manager(tmp_path),
+                                                  SimpleNamespace(session_params=None), input_ids)
+    assert reason in str(e.value) and "\n" not in str(e.value)
+    assert seen == [input_ids]  # SGLang's own checks run first, and their errors win
+
+
+def test_more_top_logprobs_than_the_vocabulary_holds_is_refused(tmp_path):
+    """topk past a row's length raises in the scheduler; asked without return_logprob it is unused."""
+    def ask(k, return_logprob=True):
+        obj = SimpleNamespace(session_params=None, return_logprob=return_logprob, top_logprobs_num=k)
+        integration.refuse_unrunnable_prompt_hook(lambda *a: None, tokenizer_manager(tmp_path), obj, [5, 6])
+
+    with pytest.raises(ValueError, match="top_logprobs_num is 40960, more than the model's vocabulary of 4096"):
+        ask(40960)
+    ask(4096)
+    ask(40960, return_logprob=False)
+
+
+def test_prompts_the_forward_can_run_pass_and_other_servers_keep_sglangs_checks(tmp_path):
+    def original(tm, obj, ids):
+        return None
+
+    plain = SimpleNamespace(session_params=None)
+    dflash = tokenizer_manager(tmp_path)
+    for ids in ([0], [4095, 3, 17], None):  # None: a request given as embeddings
+        integration.refuse_unrunnable_prompt_hook(original, dflash, plain, ids)
+    # a session's request may be empty: its history supplies the prompt
+    integration.refuse_unrunnable_prompt_hook(original, dflash, SimpleNamespace(session_params={"id": "s"}), [])
+    for algorithm in ("EAGLE", "NGRAM", None):
+        integration.refuse_unrunnable_prompt_hook(original, tokenizer_manager(tmp_path / str(algorithm), algorithm),
+                                                  plain, [])
+
+
+def test_a_server_the_builtin_serves_keeps_sglangs_prompt_checks(tmp_path):
+    """A PD-disaggregated DFLASH server runs the built-in: the plugin changes nothing there."""
+    tm = tokenizer_manager(tmp_path, disaggregation_mode="prefill")
+    integration.refuse_unrunnable_prompt_hook(lambda *a: None, tm, SimpleNamespace(session_params=None), [])

@@ -189,3 +189,207 @@ def test_a_rig_sweep_is_rebuilt_from_its_results_with_plugin_over_builtin(tmp_pa
     lo, hi = entry["interval"]["c1"]
     assert lo <= entry["plugin_over_builtin"]["c1"] <= hi
     assert scale["step_ratio_c1"] == 1.239 and entry["evidence"].endswith("report.md")
+
+
+# ---------------------------------------------------------------------------------------------
+# The hybrid rigs (rig_hybrid): Qwen3.5-4B, Qwen3.5-27B, Qwen3.6-35B-A3B and their drafts
+
+from sglang_dflash.bench import rig_hybrid  # noqa: E402
+from sglang_dflash.config import check_draft_folder  # noqa: E402
+
+# The shape fields as the sources recorded in rig_hybrid.SHAPES give them (text_config keys).
+SOURCE_TEXT_CONFIGS = {
+    "qwen3.5-4b": {"hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+                   "head_dim": 256, "intermediate_size": 9216, "linear_num_key_heads": 16,
+                   "linear_num_value_heads": 32, "tie_word_embeddings": True},
+    "qwen3.5-27b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
+                    "head_dim": 256, "intermediate_size": 17408, "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 48, "tie_word_embeddings": False},
+    "qwen3.6-35b-a3b": {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+                        "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+                        "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                        "tie_word_embeddings": False},
+}
+COMMON_TEXT_CONFIG = {"vocab_size": 248320, "full_attention_interval": 4, "linear_key_head_dim": 128,
+                      "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25,
+                      "attn_output_gate": True, "max_position_embeddings": 262144}
+# The drafts: found (35B-A3B, its config.json as a public converter checks it) or derived (see the sources).
+SOURCE_DRAFTS = {
+    "qwen3.5-4b": {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "intermediate_size": 9216, "sliding_window": 4096, "mask": 248070, "taps": 8},
+    "qwen3.5-27b": {"num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "intermediate_size": 17408, "sliding_window": None, "mask": 248070, "taps": 5},
+    "qwen3.6-35b-a3b": {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                        "intermediate_size": 6144, "sliding_window": 4096, "mask": 248077, "taps": 8},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(rig_hybrid.SHAPES))
+def test_a_hybrid_target_and_its_draft_have_the_source_configs_shapes(shape):
+    s = rig_hybrid.SHAPES[shape]
+    assert {"target", "draft"} <= set(s.sources) and all(v.startswith(("found:", "derived:")) for v in s.sources.values())
+    cfg = rig_hybrid.target_config(s)
+    text = cfg["text_config"]
+    assert {k: text[k] for k in SOURCE_TEXT_CONFIGS[shape]} == SOURCE_TEXT_CONFIGS[shape]
+    assert {k: text[k] for k in COMMON_TEXT_CONFIG} == COMMON_TEXT_CONFIG
+    types = text["layer_types"]  # three gated-delta-net layers to one gated full-attention layer
+    assert types == (["linear_attention"] * 3 + ["full_attention"]) * (len(types) // 4)
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration" if s.moe else "Qwen3_5ForConditionalGeneration"]
+    assert cfg["language_model_only"] is True and cfg["tie_word_embeddings"] == text["tie_word_embeddings"]
+    flat = rig_hybrid.target_config(s, "text")
+    assert flat["architectures"] == ["Qwen3_5MoeForCausalLM" if s.moe else "Qwen3_5ForCausalLM"]
+    assert {k: v for k, v in flat.items() if k != "architectures"} == text
+    want = SOURCE_DRAFTS[shape]
+    for block in (16, 8):
+        d = rig_hybrid.draft_config(s, block)
+        assert {k: d.get(k) for k in list(want)[:6]} == {k: want[k] for k in list(want)[:6]}
+        assert d["hidden_size"] == s.hidden and d["vocab_size"] == 248320 and d["num_target_layers"] == s.layers
+        assert d["block_size"] == d["dflash_config"]["block_size"] == block
+        assert d["dflash_config"]["mask_token_id"] == want["mask"]
+        assert len(d["dflash_config"]["target_layer_ids"]) == want["taps"]
+        sliding = [t == "sliding_attention" for t in d["layer_types"]]
+        assert sliding == ([True] * (len(sliding) - 1) + [False] if want["sliding_window"] else [False] * len(sliding))
+
+
+def test_the_drafts_weigh_what_their_cards_and_ports_say():
+    params = {name: rig_hybrid.tensor_bytes(rig_hybrid.draft_tensors(s)) / 2 for name, s in rig_hybrid.SHAPES.items()}
+    assert params["qwen3.5-4b"] * 2 / 2**30 == pytest.approx(1.18, abs=0.005)  # the MLX port's 1.18 GiB
+    assert 1.6e9 < params["qwen3.5-27b"] < 2.1e9  # the card's 2B
+    assert 0.35e9 < params["qwen3.6-35b-a3b"] < 0.5e9  # the card rounds to 0.5B
+    gb = {name: rig_hybrid.memory_report(name) for name in rig_hybrid.SHAPES}
+    assert 8.3 < gb["qwen3.5-4b"]["target_gb"] < 8.5  # text weights; the vision tower is left out
+    assert 53 < gb["qwen3.5-27b"]["target_gb"] < 55
+    assert 69 < gb["qwen3.6-35b-a3b"]["target_gb"] < 70 and gb["qwen3.6-35b-a3b"]["two_servers_gb"] > 139  # one H200: 141
+    assert 35 < gb["qwen3.6-35b-a3b"]["fp8_target_gb"] < 37  # experts at one byte; embedding and lm_head as they are
+
+
+@pytest.mark.parametrize("layout", ["multimodal", "text"])
+@pytest.mark.parametrize("shape", sorted(rig_hybrid.SHAPES))
+def test_hybrid_target_tensors_are_the_transformers_models_state_dict(shape, layout):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    s = rig_hybrid.SHAPES[shape]
+    cfg = rig_hybrid.target_config(s, layout)
+    arch = cfg["architectures"][0]
+    if not hasattr(transformers, arch):
+        pytest.skip(f"transformers {transformers.__version__} has no {arch}")
+    config_cls = getattr(transformers, {"Qwen3_5ForConditionalGeneration": "Qwen3_5Config",
+                                        "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeConfig",
+                                        "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+                                        "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig"}[arch])
+    with torch.device("meta"):  # the real shapes, no memory
+        model = getattr(transformers, arch)(config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures",
+                                                                                                     "model_type")}))
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("model.visual")}
+    if s.tie_embeddings:
+        state.pop("lm_head.weight")  # tied: the checkpoint holds the embedding alone
+    assert state == rig_hybrid.target_tensors(s, layout)
+
+
+def test_sglangs_own_qwen3_5_classes_load_every_parameter_from_the_rigs_names():
+    """SGLang's model classes for both layouts, built on the CPU at tiny widths, take every
+    parameter from the names and shapes the rig writes (tests/sglang_rig_load.py, a process of
+    its own: it opens a one-rank process group)."""
+    pytest.importorskip("sglang.srt.models.qwen3_5")
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "sglang_rig_load.py")], capture_output=True,
+                          text=True, timeout=600, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert set(result) == {f"{shape}/{layout}" for shape in rig_hybrid.SHAPES for layout in ("multimodal", "text")}
+    for key, r in result.items():
+        assert r["params"] > 40 and r["unloaded"] == [] and r["not_found"] == [], key
+
+
+@pytest.mark.parametrize("shape", sorted(rig_hybrid.SHAPES))
+def test_a_hybrid_pair_is_sparse_and_passes_the_plugins_draft_checks(tmp_path, shape):
+    s = rig_hybrid.SHAPES[shape]
+    t0 = time.perf_counter()
+    target, draft = rig.write_rig(str(tmp_path), shape, block_size=16)
+    assert time.perf_counter() - t0 < 10
+    files = [os.path.join(p, f) for p in (target, draft) for f in os.listdir(p) if f.endswith(".safetensors")]
+    report = rig_hybrid.memory_report(shape)
+    on_disk = {p: sum(os.path.getsize(f) for f in files if f.startswith(p + os.sep)) for p in (target, draft)}
+    assert on_disk[target] == pytest.approx(report["target_gb"] * 1e9, rel=0.01)
+    assert on_disk[draft] == pytest.approx(report["draft_gb"] * 1e9, rel=0.01)
+    assert all(os.path.getsize(f) < 5.1e9 for f in files)  # shards, as published checkpoints come
+    assert sum(os.stat(f).st_blocks for f in files) * 512 < 20e6  # holes, not data
+    index = os.path.join(target, "model.safetensors.index.json")
+    names = json.load(open(index))["weight_map"] if os.path.exists(index) else rig.read_shapes(target)
+    assert set(names) == set(rig_hybrid.target_tensors(s))
+    with safe_open(files[0], "pt") as f:  # safetensors reads a shard
+        assert all(not f.get_tensor(k).any() for k in list(f.keys())[:3])
+    info = TargetInfo.from_pretrained(target)
+    assert (info.hidden_size, info.num_layers, info.vocab_size) == (s.hidden, s.layers, 248320)
+    assert not info.attention_only  # the plugin treats it as the hybrid it is
+    assert check_draft_folder(draft) == draft
+    for block in (16, 8):
+        rig.write_rig(str(tmp_path), shape, block_size=block)
+        cfg = load_and_validate(draft, TargetInfo.from_pretrained(target), block_size=block)
+        assert cfg.block_size == block and cfg.has_sliding_layers == bool(s.draft.sliding_layers)
+        assert list(cfg.target_layer_ids) == list(s.draft.target_layer_ids)
+    rig.write_rig(str(tmp_path), shape, layout="text")  # the other layout rewrites the target
+    assert rig.read_shapes(target) == rig_hybrid.target_tensors(s, "text")
+    assert json.load(open(os.path.join(target, "config.json")))["architectures"][0].endswith("ForCausalLM")
+
+
+def test_a_moe_verify_step_reads_as_many_experts_as_text_would():
+    s = rig_hybrid.SHAPES["qwen3.6-35b-a3b"]
+    expected = s.experts * (1 - (1 - s.experts_per_tok / s.experts) ** 16)  # 101.8: picks spread uniformly
+    simulated = rig_hybrid.verify_step_experts(s, 1, 16, "simulated")
+    router = rig_hybrid.verify_step_experts(s, 1, 16, "router")
+    assert simulated == pytest.approx(expected, rel=0.15) and router == pytest.approx(expected, rel=0.15)
+    assert rig_hybrid.verify_step_experts(s, 1, 16, "zero") == 8  # the zero rig without the switch: one set
+    assert rig_hybrid.verify_step_experts(s, 1, 1, "simulated") == 8  # a plain step
+    assert rig_hybrid.verify_step_experts(s, 8, 16, "simulated") > 240  # c8 at block 16: nearly all 256
+    assert rig.server_env("zero", "qwen3.6-35b-a3b") == {"SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"}
+    assert rig.server_env("random", "qwen3.6-35b-a3b") == {} and rig.server_env("zero", "qwen3.5-27b") == {}
+    assert rig.server_env("zero", "qwen3-8b") == {}
+    f = rig.floor_ratio("qwen3.6-35b-a3b", 16)
+    assert f["verify_experts_per_layer"] == pytest.approx(expected, abs=0.1) and f["floor_ratio_c1"] > 4
+    assert 1.1 < rig.floor_ratio("qwen3.5-27b", 16)["floor_ratio_c1"] < rig.floor_ratio("qwen3.5-4b", 8)["floor_ratio_c1"]
+
+
+def test_a_runner_reads_each_hybrid_rigs_bytes_floors_and_routing_at_a_glance():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "sglang_dflash.bench.rig"], capture_output=True, text=True, timeout=300)
+    told = json.loads(done.stdout)
+    assert set(told) == set(rig_hybrid.SHAPES) and told["qwen3.5-27b"]["memory"]["two_servers_gb"] < 141
+    moe = told["qwen3.6-35b-a3b"]
+    assert moe["server_env"]["zero"] == {"SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"} and moe["floor_ratio_c1"]["b16"] > 4
+    assert moe["experts_per_layer_per_verify"]["c1/b1"] == 8 and moe["experts_per_layer_per_verify"]["c8/b16"] > 240
+
+
+def test_the_qwen3_8b_rig_is_byte_for_byte_what_it_was(tmp_path):
+    """Config and safetensors header (the data is a hole) as main wrote them before the hybrids."""
+    import hashlib
+    import struct
+
+    target, draft = rig.write_rig(str(tmp_path), "qwen3-8b", block_size=16)
+    digests = {}
+    for p in (target, draft):
+        with open(os.path.join(p, "model.safetensors"), "rb") as f:
+            header = f.read(struct.unpack("<Q", f.read(8))[0])
+        config = open(os.path.join(p, "config.json"), "rb").read()
+        digests[os.path.basename(p)] = (hashlib.sha256(config + header).hexdigest()[:16],
+                                        os.path.getsize(os.path.join(p, "model.safetensors")))
+    assert digests == {"target": ("2d485bf680852918", 16381517128), "draft": ("4c8b76ba09ccf66d", 2097259096)}
+
+
+def test_the_rig_options_name_a_hybrid_shape_its_weights_and_block(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "installed_sglang", lambda: "0.5.23")
+    args = sweep.parse_args(["--impls", "ar,plugin", "--rig-shape", "qwen3.5-27b", "--rig-weights", "zero",
+                             "--block-size", "8", "--rig-dir", str(tmp_path)])
+    assert args.rig == "zero" and args.block_sizes == [8] and args.rig_layout == "multimodal"
+    assert args.model_path == os.path.join(str(tmp_path), "qwen3.5-27b", "target")
+    assert args.draft_model_path == os.path.join(str(tmp_path), "qwen3.5-27b", "draft")
+    moe = sweep.parse_args(["--impls", "ar", "--rig", "zero", "--rig-shape", "qwen3.6-35b-a3b",
+                            "--rig-layout", "text"])
+    assert sweep.server_env(moe) == {"SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"} and moe.rig_layout == "text"
+    assert sweep.server_env(sweep.parse_args(["--impls", "ar", "--model-path", "m"])) == {}

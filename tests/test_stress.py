@@ -55,6 +55,16 @@ def test_load_holds_concurrency_and_counts_errors(fake, tmp_path):
     assert report["output_tok_s"] > 0 and report["server_alive"]
 
 
+def test_load_with_cancels_and_mixed_parameters_counts_cancels_apart_from_errors(fake, tmp_path):
+    out = tmp_path / "load.json"
+    rc = stress.main(["--base-url", fake("--delay-ms", "5"), "--out", str(out), "--settle-seconds", "5",
+                      "load", "--concurrency", "8", "--seconds", "2", "--abort-fraction", "0.25", "--mixed-params"])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["pass"] and report["errors"] == 0
+    assert 0 < report["aborted"] < report["requests"]
+    assert report["leak"] == {"num_used_tokens": 0, "num_running_reqs": 0}
+
+
 def test_no_server_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         stress.main(["--base-url", f"http://127.0.0.1:{free_port()}", "load"])

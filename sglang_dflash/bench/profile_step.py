@@ -399,7 +399,7 @@ def request_payloads(args) -> list[dict]:
     """What the load sends, in turn: the rig's token ids, a cached set's prompts in the target's chat
     template (``--dataset``), or the one ``--prompt`` as raw text; greedy, EOS ignored."""
     if args.rig:
-        return rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.SHAPES[args.rig_shape].vocab)
+        return rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.vocab(args.rig_shape))
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
     if not args.dataset:
         return [{"text": args.prompt, "sampling_params": params}]
@@ -516,7 +516,7 @@ def main(argv=None) -> int:
             ap.error(problem)
     if args.rig:
         rig.resolve_paths(ap, args)
-        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape)
+        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape, layout=args.rig_layout)
         server_args += rig.server_flags(args.rig)
     elif not (args.model_path and args.draft_model_path):
         ap.error("--model-path and --draft-model-path are required (unless --rig)")
@@ -534,7 +534,8 @@ def main(argv=None) -> int:
 
     for name in impls:
         impl, block_size = split_block_size(name)  # plugin@8: that server's block size
-        spec = ServerSpec(impl, args.model_path, args.draft_model_path, block_size, server_args)
+        spec = ServerSpec(impl, args.model_path, args.draft_model_path, block_size, server_args,
+                          rig.server_env(args.rig, args.rig_shape) if args.rig else {})
         profile_impl(spec, args, args.output_dir, on_level=lambda levels, name=name: write(name, levels))
     return 0
 

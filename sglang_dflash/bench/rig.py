@@ -11,6 +11,9 @@ zeros. A 16 GB Qwen3-8B appears in milliseconds and takes no disk.
 
 Requests are token ids (``--skip-tokenizer-init``; no tokenizer is written) with ``ignore_eos``.
 :func:`floor_ratio` is the bytes a DFLASH step must read at concurrency 1 over a plain step's.
+
+Besides the dense Qwen3 shapes here, ``rig_hybrid`` holds the hybrid targets the published
+Qwen3.5/3.6 drafts are for (``qwen3.5-4b``, ``qwen3.5-27b``, ``qwen3.6-35b-a3b``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import struct
 from dataclasses import dataclass
 
 from ..config import DFlashDraftConfig, default_target_layer_ids, expected_draft_tensors
+from . import rig_hybrid
 
 MODES = ("zero", "random")
 
@@ -46,6 +50,16 @@ SHAPES = {
     "qwen3-4b": Shape(hidden=2560, layers=36, heads=32, kv_heads=8, intermediate=9728, tie_embeddings=True),
 }
 DRAFT_LAYERS = 5
+HYBRID_SHAPES = rig_hybrid.SHAPES
+LAYOUTS = ("multimodal", "text")
+
+
+def all_shapes() -> list[str]:
+    return sorted(SHAPES) + sorted(HYBRID_SHAPES)
+
+
+def vocab(shape: str) -> int:
+    return (HYBRID_SHAPES[shape] if shape in HYBRID_SHAPES else SHAPES[shape]).vocab
 
 
 def target_tensors(s: Shape) -> dict[str, tuple[int, ...]]:
@@ -111,21 +125,75 @@ def write_sparse_safetensors(path: str, tensors: dict[str, tuple[int, ...]], dty
     return 8 + len(blob) + offset
 
 
-def write_rig(out_dir: str, shape: str = "qwen3-8b", block_size: int = 16) -> tuple[str, str]:
-    """``out_dir/target`` and ``out_dir/draft``; returns their paths. Rewrites nothing already there."""
-    s = SHAPES[shape]
+def write_rig(out_dir: str, shape: str = "qwen3-8b", block_size: int = 16,
+              layout: str = "multimodal") -> tuple[str, str]:
+    """``out_dir/target`` and ``out_dir/draft``; returns their paths. Rewrites nothing already there
+    but the configs. ``layout`` names a hybrid target's classes (``rig_hybrid``)."""
+    if shape in HYBRID_SHAPES:
+        h = HYBRID_SHAPES[shape]
+        parts = (("target", rig_hybrid.target_config(h, layout), rig_hybrid.target_tensors(h, layout)),
+                 ("draft", rig_hybrid.draft_config(h, block_size), rig_hybrid.draft_tensors(h, block_size)))
+    else:
+        s = SHAPES[shape]
+        parts = (("target", target_config(s), target_tensors(s)),
+                 ("draft", draft_config(s, block_size), draft_tensors(s, block_size)))
     paths = []
-    for name, config, tensors in (("target", target_config(s), target_tensors(s)),
-                                  ("draft", draft_config(s, block_size), draft_tensors(s, block_size))):
+    for name, config, tensors in parts:
         folder = os.path.join(out_dir, name)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
-        weights = os.path.join(folder, "model.safetensors")
-        if not os.path.exists(weights):
-            write_sparse_safetensors(weights, tensors)
+        if shape in HYBRID_SHAPES:
+            if read_shapes(folder) != tensors:  # absent, or another layout: a hole costs nothing to rewrite
+                write_sharded(folder, tensors)
+        elif not os.path.exists(os.path.join(folder, "model.safetensors")):
+            write_sparse_safetensors(os.path.join(folder, "model.safetensors"), tensors)
         paths.append(folder)
     return paths[0], paths[1]
+
+
+SHARD_BYTES = 5 * 10**9  # as published checkpoints shard: one 50-70 GB file is mapped whole by some loaders
+
+
+def write_sharded(folder: str, tensors: dict[str, tuple[int, ...]], shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Sparse shards of at most ``shard_bytes`` (a bigger tensor alone in one) and the index that
+    names each tensor's shard; earlier shards in ``folder`` are removed."""
+    for old in os.listdir(folder):
+        if old.endswith(".safetensors") or old == "model.safetensors.index.json":
+            os.remove(os.path.join(folder, old))
+    shards, size = [{}], 0
+    for name, shape in tensors.items():
+        n = 2 * math.prod(shape)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shape
+        size += n
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        write_sparse_safetensors(os.path.join(folder, file), shard)
+        weight_map.update(dict.fromkeys(shard, file))
+        files.append(file)
+    if len(shards) > 1:
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": tensor_bytes(tensors)}, "weight_map": weight_map}, f, indent=1)
+    return files
+
+
+def read_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the headers of every safetensors file in ``folder`` (nothing mapped)."""
+    out = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        try:
+            with open(os.path.join(folder, file), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            return {}
+        header.pop("__metadata__", None)
+        out.update({k: tuple(v["shape"]) for k, v in header.items()})
+    return out
 
 
 def tensor_bytes(tensors: dict[str, tuple[int, ...]], itemsize: int = 2) -> int:
@@ -135,6 +203,8 @@ def tensor_bytes(tensors: dict[str, tuple[int, ...]], itemsize: int = 2) -> int:
 def floor_ratio(shape: str, block_size: int = 16) -> dict:
     """Weight bytes a DFLASH step reads at concurrency 1 (target once, draft once, the target's
     lm_head again for the drafted positions) over a plain step's (target once)."""
+    if shape in HYBRID_SHAPES:
+        return hybrid_floor_ratio(shape, block_size)
     s = SHAPES[shape]
     lm_head = s.vocab * s.hidden * 2
     # A step reads the whole lm_head but only its tokens' embedding rows (untied: a table apart).
@@ -142,6 +212,23 @@ def floor_ratio(shape: str, block_size: int = 16) -> dict:
     draft = tensor_bytes(draft_tensors(s, block_size))
     return {"target_gb": target / 1e9, "draft_gb": draft / 1e9, "lm_head_gb": lm_head / 1e9,
             "floor_ratio_c1": (target + draft + lm_head) / target}
+
+
+def hybrid_floor_ratio(shape: str, block_size: int = 16) -> dict:
+    """As :func:`floor_ratio`; a MoE verify reads the experts its ``block_size`` tokens pick, by
+    expectation ``E (1 - (1 - k/E)^B)`` a layer when picks spread (the rig's routing switch),
+    against a plain step's ``k``."""
+    h = HYBRID_SHAPES[shape]
+    lm_head = h.vocab * h.hidden * 2
+    plain = rig_hybrid.step_bytes(h, 1)
+    experts = h.experts * (1 - (1 - h.experts_per_tok / h.experts) ** block_size) if h.moe else None
+    verify = rig_hybrid.step_bytes(h, block_size, experts)
+    draft = tensor_bytes(rig_hybrid.draft_tensors(h, block_size))
+    out = {"target_gb": plain / 1e9, "draft_gb": draft / 1e9, "lm_head_gb": lm_head / 1e9,
+           "floor_ratio_c1": (verify + draft + lm_head) / plain}
+    if h.moe:
+        out.update(verify_target_gb=verify / 1e9, verify_experts_per_layer=round(experts, 1))
+    return out
 
 
 def rig_payloads(n: int, prompt_len: int, max_new_tokens: int, vocab: int = 151936, seed: int = 0) -> list[dict]:
@@ -154,9 +241,14 @@ def rig_payloads(n: int, prompt_len: int, max_new_tokens: int, vocab: int = 1519
 
 def add_options(ap) -> None:
     """The --rig options, for every command that can run on the rig."""
-    ap.add_argument("--rig", choices=MODES, help="no model: a real-shape pair with zero (tau = block size) "
-                                                 "or random (tau ~ 1) weights, token-id prompts")
-    ap.add_argument("--rig-shape", choices=sorted(SHAPES), default="qwen3-8b", help="the --rig target's shape")
+    ap.add_argument("--rig", "--rig-weights", dest="rig", choices=MODES,
+                    help="no model: a real-shape pair with zero (tau = block size) or random (tau ~ 1) weights, "
+                         "token-id prompts")
+    ap.add_argument("--rig-shape", choices=all_shapes(), default="qwen3-8b",
+                    help="the --rig target's shape: dense Qwen3, or the hybrids the Qwen3.5/3.6 drafts are for")
+    ap.add_argument("--rig-layout", choices=LAYOUTS, default="multimodal",
+                    help="a hybrid target's classes: multimodal (the published Qwen3_5*ForConditionalGeneration, "
+                         "language_model_only; SGLang >= 0.5.22) or text (Qwen3_5*ForCausalLM, for 0.5.17)")
     ap.add_argument("--rig-dir", default="/tmp/dflash-rig", help="where --rig writes its checkpoints")
     ap.add_argument("--rig-prompt-len", type=int, default=128, help="prompt tokens of a --rig request")
 
@@ -174,3 +266,25 @@ def resolve_paths(ap, args) -> None:
 def server_flags(mode: str) -> list[str]:
     flags = ["--skip-tokenizer-init"]
     return flags + (["--load-format", "dummy"] if mode == "random" else [])
+
+
+def server_env(mode: str, shape: str) -> dict:
+    """Environment for every server on the rig (the MoE zero rig's expert routing)."""
+    return rig_hybrid.server_env(shape, mode)
+
+
+def describe(shape: str) -> dict:
+    """What a runner needs before starting servers on a hybrid rig: weight bytes, the bytes floor
+    at block 16 and 8, the experts a verify step reads, and where the shapes come from."""
+    h = HYBRID_SHAPES[shape]
+    out = {"memory": rig_hybrid.memory_report(shape),
+           "floor_ratio_c1": {f"b{b}": round(floor_ratio(shape, b)["floor_ratio_c1"], 3) for b in (16, 8)},
+           "server_env": {w: rig_hybrid.server_env(shape, w) for w in MODES}, "sources": h.sources}
+    if h.moe:
+        out["experts_per_layer_per_verify"] = {
+            f"c{c}/b{b}": rig_hybrid.verify_step_experts(h, c, b) for c in (1, 8, 32) for b in (16, 8, 1)}
+    return out
+
+
+if __name__ == "__main__":  # python -m sglang_dflash.bench.rig: the hybrid rigs at a glance
+    print(json.dumps({shape: describe(shape) for shape in sorted(HYBRID_SHAPES)}, indent=1))

@@ -36,6 +36,31 @@ def mixed_payloads(n: int, seed: int, max_prompt_words: int, max_new_tokens: int
     return out
 
 
+def mixed_request(rng: random.Random, payload: dict) -> dict:
+    """``payload`` with one of the parameter sets users send: greedy, sampled, penalized, a minimum
+    length, stop strings, logit bias, logprobs or a regex, each verify position taking its own."""
+    params = dict(payload["sampling_params"])
+    extra: dict = {}
+    kind = rng.choice(("greedy", "sampled", "penalized", "min_new_tokens", "stop", "logit_bias", "logprobs", "regex"))
+    if kind == "greedy":
+        params["temperature"] = 0.0
+    elif kind == "sampled":
+        params.update(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02)
+    elif kind == "penalized":
+        params.update(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)
+    elif kind == "min_new_tokens":
+        params.update(min_new_tokens=params["max_new_tokens"] // 2, ignore_eos=False)
+    elif kind == "stop":
+        params.update(stop=["the", "\n\n"], ignore_eos=False)
+    elif kind == "logit_bias":
+        params["logit_bias"] = {str(rng.randrange(100, 1000)): 3.0}
+    elif kind == "logprobs":
+        extra = {"return_logprob": True, "top_logprobs_num": 3}
+    else:
+        params.update(regex="[a-z ,.]{1,200}", ignore_eos=False)
+    return {**payload, "sampling_params": params, **extra}
+
+
 def stream(base_url: str, payload: dict, abort_after_chunks: int | None = None) -> dict:
     r = generate_stream(base_url, payload, abort_after_chunks=abort_after_chunks)
     status = "aborted" if r.aborted else "completed" if r.ok else "error"
@@ -86,20 +111,27 @@ def run_aborts(base_url: str, requests: int, abort_fraction: float, concurrency:
 
 
 def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max_new_tokens: int = 256,
-             settle_s: float = 60) -> dict:
+             settle_s: float = 60, abort_fraction: float = 0.0, mixed_params: bool = False) -> dict:
+    """``concurrency`` requests in flight for ``seconds``; with ``abort_fraction`` that share of them
+    is dropped mid-stream, with ``mixed_params`` each takes one of :func:`mixed_request`'s sets."""
     payloads = mixed_payloads(4096, seed, 400, max_new_tokens)
+    if mixed_params:
+        rng = random.Random(seed + 2)
+        payloads = [mixed_request(rng, p) for p in payloads]
     before = settle(base_url, settle_s)
     stop_at = time.perf_counter() + seconds
     lock, results, latencies = threading.Lock(), [], []
 
     def worker(i):
-        k = i
+        k, rng = i, random.Random(seed * 1000 + i)
         while time.perf_counter() < stop_at:
             t = time.perf_counter()
-            r = stream(base_url, payloads[k % len(payloads)])
+            cut = rng.randint(1, 8) if rng.random() < abort_fraction else None
+            r = stream(base_url, payloads[k % len(payloads)], cut)
             with lock:
                 results.append(r)
-                latencies.append(time.perf_counter() - t)
+                if r["status"] == "completed":
+                    latencies.append(time.perf_counter() - t)
             k += concurrency
 
     t0 = time.perf_counter()
@@ -112,8 +144,9 @@ def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max
     tokens = sum(r["tokens"] for r in results)
     latencies.sort()
     return {"mode": "load", "concurrency": concurrency, "seconds": seconds, "wall_s": round(wall, 1),
-            "requests": len(results), "errors": sum(r["status"] != "completed" for r in results),
-            "errors_sample": [r.get("error") for r in results if r["status"] != "completed"][:5],
+            "requests": len(results), "aborted": sum(r["status"] == "aborted" for r in results),
+            "errors": sum(r["status"] == "error" for r in results),
+            "errors_sample": [r.get("error") for r in results if r["status"] == "error"][:5],
             "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1),
             "latency_p50_s": round(latencies[len(latencies) // 2], 3) if latencies else None,
             "latency_max_s": round(latencies[-1], 3) if latencies else None,
@@ -143,6 +176,9 @@ def main(argv=None) -> int:
     lo.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     lo.add_argument("--seconds", type=float, default=300, help="how long to hold the load")
     lo.add_argument("--max-new-tokens", type=int, default=256, help="longest output (the lengths vary)")
+    lo.add_argument("--abort-fraction", type=float, default=0.0, help="share of requests dropped mid-stream")
+    lo.add_argument("--mixed-params", action="store_true",
+                    help="each request with one of the parameter sets users send (penalties, stops, logprobs, ...)")
     args = ap.parse_args(argv)
     if args.settle_seconds < 0:
         ap.error("--settle-seconds must be >= 0")
@@ -150,8 +186,9 @@ def main(argv=None) -> int:
                                   or args.max_prompt_words < 32 or args.max_new_tokens < 1):
         ap.error("--abort-fraction in [0, 1], --requests and --concurrency >= 1, --max-prompt-words >= 32, "
                  "--max-new-tokens >= 1")
-    if args.mode == "load" and (args.concurrency < 1 or args.seconds <= 0 or args.max_new_tokens < 1):
-        ap.error("--concurrency >= 1, --seconds > 0 and --max-new-tokens >= 1")
+    if args.mode == "load" and (args.concurrency < 1 or args.seconds <= 0 or args.max_new_tokens < 1
+                                or not 0 <= args.abort_fraction <= 1):
+        ap.error("--concurrency >= 1, --seconds > 0, --max-new-tokens >= 1 and --abort-fraction in [0, 1]")
     if not alive(args.base_url):
         ap.error(f"no healthy server at {args.base_url}")
     if args.mode == "aborts":
@@ -159,7 +196,8 @@ def main(argv=None) -> int:
                             args.max_prompt_words, args.max_new_tokens, args.settle_seconds)
     else:
         report = run_load(args.base_url, args.concurrency, args.seconds, max_new_tokens=args.max_new_tokens,
-                          settle_s=args.settle_seconds)
+                          settle_s=args.settle_seconds, abort_fraction=args.abort_fraction,
+                          mixed_params=args.mixed_params)
     report["pass"] = verdict(report)
     text = json.dumps(report, indent=1)
     if args.out:

@@ -37,6 +37,7 @@ from . import rig
 from .cli import comma_list, parser
 from .client import flush_cache, kv_loads, progress, run_requests, server_info
 from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
+from .heldout import Prompt, chat_messages
 from .report import markdown_report, plot, update_summary
 from .server import (
     DFLASH_IMPLS, IMPLEMENTATIONS, Server, ServerError, ServerSpec, busy_gpu_warning, checkpoint_bytes, cpu_slices,
@@ -54,14 +55,15 @@ RIG_SETTINGS = ("rig", "rig_shape", "rig_prompt_len", "block_sizes", "server_arg
 # Prompts
 
 
-def render_prompts(prompts: list[str], model_path: str, thinking: bool) -> list[dict]:
-    """Apply the target's chat template client-side, as the DFlash reference benchmark does."""
+def render_prompts(prompts: list[Prompt], model_path: str, thinking: bool) -> list[dict]:
+    """Apply the target's chat template client-side, as the DFlash reference benchmark does; a multi-turn
+    prompt (a list of messages) is rendered whole, ending in the prompt for the next assistant turn."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
     out = []
     for p in prompts:
-        msgs = [{"role": "user", "content": p}]
+        msgs = chat_messages(p)
         try:
             text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
         except (TypeError, ValueError):
@@ -215,6 +217,10 @@ def server_flags(args) -> list[str]:
         if value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def server_env(args) -> dict:
+    return rig.server_env(args.rig, args.rig_shape) if getattr(args, "rig", None) else {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,9 +474,9 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
     """Launch each server in turn (or use the running one) and measure every dataset and concurrency."""
     datasets = {}
     if args.rig:
-        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape, args.block_sizes[0] or 16)
+        rig.write_rig(os.path.dirname(args.model_path), args.rig_shape, args.block_sizes[0] or 16, args.rig_layout)
         datasets[args.datasets[0]] = rig.rig_payloads(args.num_prompts, args.rig_prompt_len, args.max_new_tokens,
-                                                      rig.SHAPES[args.rig_shape].vocab)
+                                                      rig.vocab(args.rig_shape))
     else:
         problem = problem_with_cache(args.datasets, args.data_dir)
         if problem:  # before any tokenizer is loaded or server started
@@ -485,7 +491,8 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
     for name in args.impls:
         impl, size = split_block_size(name)
         sizes = [size] if size else args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
-        specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args)) for b in sizes]
+        specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args), server_env(args))
+                  for b in sizes]
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
     busy = None if args.skip_launch else busy_gpu_warning(gpu_processes())

@@ -19,7 +19,7 @@ import sys
 import time
 
 from ..bench.cli import comma_list, parser
-from ..bench.datasets import add_dataset_options, problem_with_cache, problem_with_names
+from ..bench.datasets import HELDOUT, add_dataset_options, problem_with_cache, problem_with_names
 from ..config import DFlashConfigError, default_target_layer_ids
 from .data import load_examples, regenerate, save_examples, training_prompts
 from .trainer import TrainConfig, resolve_mask_token_id, train
@@ -99,6 +99,8 @@ def parse_args(argv=None):
         ap.error(f"--target-layer-ids: expected comma-separated integers, got {args.target_layer_ids!r}")
     args.datasets = comma_list(args.datasets)
     problem = problem_with_names(args.datasets) if args.datasets else None
+    if not problem and any(name in HELDOUT for name in args.datasets):
+        problem = f"{', '.join(n for n in args.datasets if n in HELDOUT)} are held out (issue 79): never trained on"
     if not problem and args.steps and args.datasets and not os.path.isfile(os.path.join(args.out, "examples.jsonl")):
         problem = problem_with_cache(args.datasets, args.data_dir)  # only what will be regenerated
     if problem:

@@ -11,14 +11,18 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from ..bench.datasets import read_cached_prompts
+from ..bench.datasets import HELDOUT, read_cached_prompts
+from ..bench.heldout import Prompt, chat_messages
 
 HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0,
             "math": 0}  # math: training only (MATH test without MATH-500)
 
 
 def training_prompts(datasets: Sequence[str], data_dir: str, per_dataset: int) -> list[str]:
-    """Prompts from the cached sets, skipping the held-out heads."""
+    """Prompts from the cached sets, skipping the held-out heads; the frozen held-out sets never train."""
+    frozen = [name for name in datasets if name in HELDOUT]
+    if frozen:
+        raise SystemExit(f"{', '.join(frozen)}: held out for issue 79's final measurement, never for training")
     out = []
     for name in datasets:
         out += read_cached_prompts(name, data_dir)[HELD_OUT.get(name, 0):][:per_dataset]
@@ -31,12 +35,12 @@ class Example:
     response_start: int  # loss is taken on response tokens only
 
 
-def render(tokenizer, prompt: str) -> list[int]:
-    msgs = [{"role": "user", "content": prompt}]
+def render(tokenizer, prompt: Prompt) -> list[int]:
+    msgs = chat_messages(prompt)
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
+    return tokenizer("\n\n".join(m["content"] for m in msgs))["input_ids"]
 
 
 def regenerate(

@@ -1,0 +1,102 @@
+"""Reads the reliability group's evidence (tests/gpu/test_reliability_gpu.py) into the summary form.
+
+    python lab/reliability_summary.py DIR [DIR ...] [--out results/reliability/summary.json]
+
+Each DIR holds ``reliability-<release>-{odd,openai,load}.json`` of one GPU run; later DIRs add to
+earlier ones. Prints, per release: ``odd`` {case: {ar, builtin, plugin}} (served, refused, crashed
+or error), ``load`` {pair: {seconds, requests, aborts, errors, kv_idle, state_idle, gpu_mem_mb,
+host_rss_mb}}, ``empty_prompt_cause`` (what plain decoding died of) and ``openai_client`` {case:
+same or differs}, with the files each came from under ``evidence``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+FILE = re.compile(r"reliability-(?P<release>[0-9.]+)-(?P<part>odd|openai|load)\.json$")
+
+
+def odd_table(report: dict) -> dict:
+    table: dict = {}
+    for impl, got in report["by_impl"].items():
+        for case, o in got.get("outcomes", {}).items():
+            table.setdefault(case, {})[impl] = o["outcome"]
+    return table
+
+
+def empty_prompt_cause(report: dict) -> str:
+    """What each server did with the empty text, and what ended a server that died of it."""
+    parts = []
+    for impl, got in report["by_impl"].items():
+        o = got.get("outcomes", {}).get("empty text")
+        if o is None:
+            continue
+        why = o.get("cause") or o.get("message") or ""
+        parts.append(f"{impl}: {o['outcome']}" + (f" ({why})" if why else ""))
+    return "; ".join(parts)
+
+
+def load_table(report: dict) -> dict:
+    out = {}
+    for pair, r in report["pairs"].items():
+        start, end = r.get("start", {}), r.get("end", {})
+        out[pair] = {
+            "seconds": report["seconds"], "requests": r["requests"], "aborts": r["aborted"], "errors": r["errors"],
+            "kv_idle": end.get("idle", {}).get("kv_used_tokens") == 0 and end.get("idle", {}).get("running_reqs") == 0,
+            "state_idle": end.get("idle", {}).get("state_slots_used") in (0, None),
+            "state_slots_used_end": end.get("idle", {}).get("state_slots_used"),
+            "gpu_mem_mb": [start.get("memory", {}).get("gpu_mb"), end.get("memory", {}).get("gpu_mb")],
+            "host_rss_mb": [start.get("memory", {}).get("host_rss_mb"), end.get("memory", {}).get("host_rss_mb")],
+            "output_tok_s": r.get("output_tok_s"),
+        }
+    return out
+
+
+def summarize(dirs: list[str], root: str = ".") -> dict:
+    summary: dict = {}
+    for d in dirs:
+        for path in sorted(glob.glob(os.path.join(d, "reliability-*.json"))):
+            m = FILE.search(os.path.basename(path))
+            if not m:
+                continue
+            with open(path) as f:
+                report = json.load(f)
+            rel = summary.setdefault(m["release"], {"evidence": []})
+            if m["part"] == "odd":
+                rel["odd"] = odd_table(report)
+                rel["empty_prompt_cause"] = empty_prompt_cause(report)
+            elif m["part"] == "openai":
+                rel["openai_client"] = {**report["compare"], **{
+                    f"{case} ({impl})": v for impl, checks in report["self"].items() for case, v in checks.items()}}
+            else:
+                rel["load"] = load_table(report)
+            rel["evidence"].append(os.path.relpath(path, root))
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", help="folders with reliability-<release>-*.json")
+    ap.add_argument("--out", help="also write the summary here")
+    args = ap.parse_args(argv)
+    missing = [d for d in args.dirs if not os.path.isdir(d)]
+    if missing:
+        ap.error(f"no such folder: {', '.join(missing)}")
+    summary = summarize(args.dirs)
+    if not summary:
+        ap.error("no reliability-<release>-{odd,openai,load}.json in " + ", ".join(args.dirs))
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
