@@ -46,6 +46,7 @@ GEMMA_RMSNORM_CUDA = "sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda"  # 
 QKNORM_CHECK = "sglang.srt.models.utils.can_use_fused_inplace_qknorm"
 HANDLE_DFLASH_ARGS = compat.HOOK_TARGETS["handle_dflash_args"]
 UPDATE_FINISH_STATE = compat.HOOK_TARGETS["stop_before_length"]
+CARD_FLAGS = compat.HOOK_TARGETS["card_flags"]
 
 # Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
 # so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
@@ -84,6 +85,8 @@ def register() -> None:
             return log_builtin_hook(reason, original, server_args)
 
         HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin, HookType.AROUND)
+        if release.supported:  # the cards' commands start with the built-in too
+            HookRegistry.register(CARD_FLAGS, card_flags_hook, HookType.AROUND)
         return
     hooks = {
         "create_worker": create_worker_hook,

@@ -111,11 +111,11 @@ LAUNCH = f"""
 """
 
 
-def launch(argv):
+def launch(argv, **env):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(LAUNCH), "--model-path", "/models/target",
                           "--speculative-draft-model-path", "/models/draft", *argv],
                          capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "SGLANG_PLUGINS": "dflash", "HF_HUB_OFFLINE": "1"})
+                         env={**os.environ, "SGLANG_PLUGINS": "dflash", "HF_HUB_OFFLINE": "1", **env})
     lines = [line for line in out.stdout.splitlines() if line.startswith("PARSED ")]
     return out, json.loads(lines[0][len("PARSED "):]) if lines else None
 
@@ -124,9 +124,10 @@ def mapping_lines(stderr):
     return [line for line in stderr.splitlines() if "sglang-dflash: --" in line and "; using it" in line]
 
 
-@pytest.mark.parametrize("card", ["27b", "4b"])
-def test_the_cards_hopper_commands_parse_on_this_release(card):
-    out, args = launch([*HOPPER_COMMANDS[card], "--speculative-dflash-draft-window-size", "2048"])
+@pytest.mark.parametrize("card, impl", [("27b", "plugin"), ("4b", "plugin"), ("27b", "builtin")])
+def test_the_cards_hopper_commands_parse_on_this_release(card, impl):
+    out, args = launch([*HOPPER_COMMANDS[card], "--speculative-dflash-draft-window-size", "2048"],
+                       SGLANG_DFLASH_IMPL=impl)
     assert out.returncode == 0 and args is not None, out.stderr[-3000:]
     assert args["mamba_radix_cache_strategy"] == "extra_buffer"
     assert args["speculative_draft_window_size"] == 2048
