@@ -21,7 +21,8 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
   ids outside the vocabulary, more top logprobs than tokens) is refused with a 400 instead of
   ending the scheduler (``request_checks.py``).
 * ``server_args.prepare_server_args``: the DFlash model cards' flag names the release renamed are
-  taken under the release's names, with a log line (``card_flags.py``).
+  taken under the release's names, with a log line (``card_flags.py``); kept where the built-in
+  serves DFLASH too.
 * ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
   DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
 
