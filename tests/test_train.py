@@ -375,3 +375,104 @@ def test_offline_accept_length_runs_the_reference_loop_on_benchmark_prompts(tiny
     assert 1 <= got["accept_length"] <= 4
     with pytest.raises(SystemExit):
         offline.main(["--target", path, "--draft", str(tmp_path / "none")])
+
+
+# --- issue 81 item 5: a killed run resumes where it stopped; no checkpoint is half written ---
+
+
+RESUME_CFG = dict(block_size=4, draft_layers=1, batch_size=4, anchors=8, save_every=4, max_length=96, steps=12,
+                  lr=3e-3)
+
+
+def final_state(out):
+    from safetensors.torch import load_file
+
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    log = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
+    return state, load_file(os.path.join(out, "model.safetensors")), log
+
+
+def test_a_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tiny_target, tmp_path, monkeypatch):
+    """On CPU the resumed run is bitwise the uninterrupted one: weights, Adam moments, losses. It restores
+    the weights, the optimizer, the step (the LR schedule is a function of it) and the batch, anchor and
+    torch RNG states. (With --max-minutes the schedule follows wall time, and bf16 autocast on CUDA is not
+    bitwise reproducible run to run: there only the step, data order and RNG streams are the same.)"""
+    from sglang_dflash.train import trainer
+
+    path, model, tok, examples = tiny_target
+    whole = str(tmp_path / "whole")
+    train(model, tok, examples, TrainConfig(out_dir=whole, **RESUME_CFG), log=lambda *a: None)
+
+    killed = str(tmp_path / "killed")
+    real_batch_loss, calls = trainer.batch_loss, []
+
+    def dies_in_step_7(*a, **k):
+        calls.append(1)
+        if len(calls) == 7:  # past the checkpoint at step 4: steps 5 and 6 are lost with the process
+            raise KeyboardInterrupt
+        return real_batch_loss(*a, **k)
+
+    monkeypatch.setattr(trainer, "batch_loss", dies_in_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, tok, examples, TrainConfig(out_dir=killed, **RESUME_CFG), log=lambda *a: None)
+    monkeypatch.setattr(trainer, "batch_loss", real_batch_loss)
+    assert torch.load(os.path.join(killed, "trainer_state.pt"), weights_only=False)["step"] == 4
+    messages = []
+    train(model, tok, examples, TrainConfig(out_dir=killed, **RESUME_CFG), resume=True, log=messages.append)
+    assert messages == ["resumed from step 4"]
+
+    (a_state, a_model, a_log), (b_state, b_model, b_log) = final_state(whole), final_state(killed)
+    assert b_state["step"] == 12 and [r["step"] for r in b_log] == list(range(1, 13))
+    assert a_log == b_log  # every step's loss and accuracy, bitwise
+    assert all(torch.equal(a_state["draft"][k], b_state["draft"][k]) for k in a_state["draft"])
+    assert all(torch.equal(a_model[k], b_model[k]) for k in a_model)
+    for a, b in zip(a_state["optimizer"]["state"].values(), b_state["optimizer"]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_paused_run_resumes_bitwise_too(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    whole, paused = str(tmp_path / "whole"), str(tmp_path / "paused")
+    train(model, tok, examples, TrainConfig(out_dir=whole, **RESUME_CFG), log=lambda *a: None)
+    train(model, tok, examples, TrainConfig(out_dir=paused, pause_after_minutes=0.0, **RESUME_CFG),
+          log=lambda *a: None)
+    assert torch.load(os.path.join(paused, "trainer_state.pt"), weights_only=False)["step"] == 1
+    train(model, tok, examples, TrainConfig(out_dir=paused, **RESUME_CFG), resume=True, log=lambda *a: None)
+    (a_state, _, a_log), (b_state, _, b_log) = final_state(whole), final_state(paused)
+    assert a_log == b_log and all(torch.equal(a_state["draft"][k], b_state["draft"][k]) for k in a_state["draft"])
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tiny_target, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from sglang_dflash.train import trainer
+
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    cfg = dict(RESUME_CFG, save_every=2)
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=2)), log=lambda *a: None)
+    before_model = load_file(os.path.join(out, "model.safetensors"))
+    before_state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+
+    def half_written(obj, target, *a, **k):
+        with open(target, "wb") as f:  # some bytes reach the disk, then the write fails
+            f.write(b"\0" * 64)
+        raise OSError("No space left on device")
+
+    for module, name in ((trainer, "save_file"), (torch, "save")):  # the weights, then the trainer state
+        with monkeypatch.context() as m:
+            m.setattr(module, name, half_written)
+            with pytest.raises(OSError, match="No space left"):
+                train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=4)), resume=True,
+                      log=lambda *a: None)
+        after = load_file(os.path.join(out, "model.safetensors"))
+        state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+        assert state["step"] == 2  # the previous state, whole and loadable
+        assert all(torch.equal(state["draft"][k], before_state["draft"][k]) for k in state["draft"])
+        if module is trainer:  # the weights' write failed: the old ones are there
+            assert all(torch.equal(after[k], before_model[k]) for k in before_model)
+        assert not [f for f in os.listdir(out) if f.endswith(".tmp")]  # no temporary file left behind
+    # The run goes on from the intact state.
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=4)), resume=True, log=lambda *a: None)
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 4
+    assert [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))] == [1, 2, 3, 4]

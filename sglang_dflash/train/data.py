@@ -13,6 +13,7 @@ from typing import Iterable, Optional, Sequence
 
 from ..bench.datasets import HELDOUT, read_cached_prompts
 from ..bench.heldout import Prompt, chat_messages
+from .atomic import write_text_atomically
 
 HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0,
             "math": 0}  # math: training only (MATH test without MATH-500)
@@ -149,9 +150,9 @@ class _HFGenerator:
 
 
 def save_examples(examples: Sequence[Example], path: str) -> None:
-    with open(path, "w") as f:
-        for e in examples:
-            f.write(json.dumps({"ids": e.ids, "response_start": e.response_start}) + "\n")
+    """Whole or not at all: a resumed run trusts this cache instead of regenerating."""
+    write_text_atomically(path, "".join(json.dumps({"ids": e.ids, "response_start": e.response_start}) + "\n"
+                                        for e in examples))
 
 
 def load_examples(path: str, limit: Optional[int] = None) -> list[Example]:
