@@ -476,3 +476,57 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tiny_t
     train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=4)), resume=True, log=lambda *a: None)
     assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 4
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))] == [1, 2, 3, 4]
+
+
+# --- issue 81 item 4: progress with done/total and an ETA ---
+
+
+def test_training_and_regeneration_show_done_total_and_an_eta(tiny_target, tmp_path, capsys):
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(RESUME_CFG, steps=6, save_every=3)),
+          log=lambda *a: None)
+    err = capsys.readouterr().err
+    assert "training draft" in err and "6/6 [" in err and "<00:00" in err  # done/total [elapsed<remaining
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(RESUME_CFG, steps=8, save_every=3, max_minutes=5)),
+          resume=True, log=lambda *a: None)
+    err = capsys.readouterr().err
+    assert "8/8 [" in err and "budget_left=" in err
+    regenerate(path, PROMPTS[:3], max_new_tokens=4, engine="hf", hf_model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert "regenerating responses" in err and "3/3 [" in err
+
+
+def test_progress_is_quiet_without_tqdm(tiny_target, tmp_path, capsys, monkeypatch):
+    import sys
+
+    path, model, tok, examples = tiny_target
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now fails
+    out = str(tmp_path / "draft")
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(RESUME_CFG, steps=3)), log=lambda *a: None)
+    regenerate(path, PROMPTS[:2], max_new_tokens=4, engine="hf", hf_model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert "%|" not in err and "it/s" not in err, err
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 3
+
+
+def test_sglang_regeneration_counts_requests_as_they_finish(capsys):
+    """The SGLang path (GPU) through a stand-in engine: one async request per prompt, results in order."""
+    import asyncio
+
+    from sglang_dflash.train.data import _SGLangGenerator
+
+    class Engine:
+        loop = asyncio.new_event_loop()
+
+        async def async_generate(self, input_ids, sampling_params):
+            await asyncio.sleep(0.01 * (5 - len(input_ids)))  # shorter prompts finish later: order must hold
+            n = sampling_params["max_new_tokens"]
+            return {"output_ids": [len(input_ids)] * n, "meta_info": {"finish_reason": {"type": "length"}}}
+
+    gen = _SGLangGenerator("-")
+    gen.llm = Engine()
+    got = gen([[1], [1, 2, 3], [1, 2]], 2, 0.0)
+    assert got == [([1, 1], False), ([3, 3], False), ([2, 2], False)]
+    assert "3/3" in capsys.readouterr().err
+    Engine.loop.close()

@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Sequence
 from ..bench.datasets import HELDOUT, read_cached_prompts
 from ..bench.heldout import Prompt, chat_messages
 from .atomic import write_text_atomically
+from .progress import progress_bar
 
 HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0,
             "math": 0}  # math: training only (MATH test without MATH-500)
@@ -107,8 +108,22 @@ class _SGLangGenerator:
         self.llm.shutdown()
 
     def __call__(self, inputs, max_new_tokens: int, temperature: float):
-        results = self.llm.generate(input_ids=inputs, sampling_params={"max_new_tokens": max_new_tokens,
-                                                                        "temperature": temperature})
+        import asyncio
+
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        # All requests in flight at once (the scheduler batches them as one generate() call would);
+        # awaiting each on its own lets the bar count them as they finish.
+        with progress_bar(len(inputs), "regenerating responses") as bar:
+            async def one(ids):
+                result = await self.llm.async_generate(input_ids=ids, sampling_params=params)
+                bar.update(1)
+                return result
+
+            async def every():
+                return await asyncio.gather(*(one(ids) for ids in inputs))
+
+            loop = getattr(self.llm, "loop", None) or asyncio.get_event_loop()
+            results = loop.run_until_complete(every())
         finished = [(r["meta_info"].get("finish_reason") or {}).get("type") != "length" for r in results]
         return [(list(r["output_ids"]), done) for r, done in zip(results, finished)]
 
@@ -132,12 +147,12 @@ class _HFGenerator:
 
     def __call__(self, inputs, max_new_tokens: int, temperature: float):
         import torch
-        from tqdm import tqdm
 
         device = next(self.model.parameters()).device
         eos = self.tokenizer.eos_token_id
         out = []
-        for ids in tqdm(inputs, desc="regenerating responses", leave=False):
+        bar = progress_bar(len(inputs), "regenerating responses")
+        for ids in inputs:
             with torch.no_grad():
                 gen = self.model.generate(
                     torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
@@ -146,6 +161,8 @@ class _HFGenerator:
                 )
             new = gen[0, len(ids):].tolist()
             out.append((new, eos in new))
+            bar.update(1)
+        bar.close()
         return out
 
 

@@ -31,6 +31,7 @@ from ..config import DFlashDraftConfig, default_target_layer_ids
 from ..reference import ReferenceDraft
 from .atomic import write_atomically, write_text_atomically
 from .data import Example
+from .progress import progress_bar
 
 
 @dataclass
@@ -360,8 +361,6 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     ``started`` (``time.monotonic()``) is when the command began: ``pause_after_minutes`` counts
     from there, so regeneration and loading fit inside a time-limited job too.
     """
-    from tqdm import tqdm
-
     device = next(target_model.parameters()).device
     vocab = target_model.get_input_embeddings().weight.shape[0]
     mask_id = resolve_mask_token_id(tokenizer, vocab, cfg.mask_token_id)
@@ -399,12 +398,12 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     if run_progress(start, trained_s, cfg) >= 1:
         log(f"the training budget is spent (step {start}, {trained_s / 60:.1f} min): nothing to resume")
         return cfg.out_dir
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
     pool, held_out = split_eval(examples, cfg.eval_examples, cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
+    bar = progress_bar(cfg.steps, "training draft", initial=start)
     t0 = time.monotonic()
     started = t0 if started is None else started
-    for step in bar:
+    for step in range(start, cfg.steps):
         progress = run_progress(step, trained_s + time.monotonic() - t0, cfg)
         batch = rng.sample(pool, min(cfg.batch_size, len(pool)))
         for g in opt.param_groups:
@@ -416,8 +415,12 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         opt.step()
         loss_value, acc_value = torch.stack([loss.detach().float(), acc.float()]).tolist()  # one host sync
         history.append({"step": step + 1, "loss": loss_value, "acc": acc_value})
-        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
         now = time.monotonic()
+        bar.update(1)
+        postfix = {"loss": f"{loss_value:.3f}", "acc": f"{acc_value:.3f}"}
+        if cfg.max_minutes:  # the bar's ETA counts steps; a time budget may end the run first
+            postfix["budget_left"] = f"{max(0.0, cfg.max_minutes - (trained_s + now - t0) / 60):.1f}min"
+        bar.set_postfix(postfix, refresh=False)
         done = step + 1 == cfg.steps or run_progress(step + 1, trained_s + now - t0, cfg) >= 1
         done = done or (cfg.pause_after_minutes is not None and now - started >= 60 * cfg.pause_after_minutes)
         if done or (step + 1) % cfg.save_every == 0:
@@ -437,6 +440,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
                           f"accept length {row['eval_accept_len']:.2f}")
         if done:
             break
+    bar.close()
     return cfg.out_dir
 
 
