@@ -349,9 +349,10 @@ def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_pa
     assert cli.main(base + ["--out", str(tmp_path / "d"), "--extra-examples", str(tmp_path / "earlier.jsonl.xz")]) == 0
     assert f"{len(examples)} earlier examples from" in capsys.readouterr().err
     assert len(open(tmp_path / "d" / "train_log.jsonl").readlines()) == 3
-    assert os.path.getsize(tmp_path / "d" / "examples.jsonl") == 0  # nothing was regenerated
-    with pytest.raises(SystemExit, match="no training examples"):
+    assert not (tmp_path / "d" / "examples.jsonl").exists()  # nothing was regenerated, no empty cache to trust
+    with pytest.raises(SystemExit):
         cli.main(base + ["--out", str(tmp_path / "e")])
+    assert "no training examples: give --datasets or --extra-examples" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(base + ["--out", "o", "--extra-examples", str(tmp_path / "missing.jsonl")])
     assert "--extra-examples: no such file" in capsys.readouterr().err
@@ -375,6 +376,106 @@ def test_offline_accept_length_runs_the_reference_loop_on_benchmark_prompts(tiny
     assert 1 <= got["accept_length"] <= 4
     with pytest.raises(SystemExit):
         offline.main(["--target", path, "--draft", str(tmp_path / "none")])
+
+
+# --- issue 81 item 5: bad input refused in one line, before any slow work ---
+
+
+def copy_target_without_tokenizer(src, dst):
+    import shutil
+
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name in ("config.json", "generation_config.json") or name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), dst)
+    return str(dst)
+
+
+def refusal(argv, capsys):
+    """The one stderr line (and exit status) a refused command ends with."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    code = info.value.code
+    line = err if isinstance(code, int) else code
+    assert code != 0 and code is not None
+    assert "\n" not in line and "Traceback" not in line, line
+    assert line.startswith("sglang-dflash-train: "), line
+    return line
+
+
+def test_each_bad_argument_is_refused_in_one_line_before_any_work(tiny_target, tmp_path, capsys, monkeypatch):
+    from sglang_dflash.train import data as train_data
+
+    path = tiny_target[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
+    (data / "mbpp.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 5))  # 120 < 200
+
+    def regenerate(*a, **k):
+        raise AssertionError("regenerated before the arguments were checked")
+
+    monkeypatch.setattr(cli, "regenerate", regenerate)
+    out = str(tmp_path / "d")
+    base = ["--target", path, "--out", out, "--datasets", "gsm8k", "--data-dir", str(data), "--block-size", "4",
+            "--draft-layers", "1", "--max-length", "128"]
+    cases = [
+        (["--block-size", "1"], "--block-size 1: must be >= 2"),
+        (["--steps", "-1"], "--steps -1: must be >= 0"),
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (["--anchors", "0"], "--anchors 0: must be >= 1"),
+        (["--max-length", "4"], "--max-length 4: must be above --block-size 4"),
+        (["--max-length", "0"], "--max-length 0: must be above --block-size 4"),
+        (["--target", str(tmp_path / "nowhere")], "no such folder"),
+        (["--datasets", "gsm8k,nope"], "unknown datasets ['nope']"),
+        (["--datasets", "mbpp"], "--datasets mbpp: no training prompts: " + str(data) + " holds 120, and the first "
+                                 "200 are held out"),
+        (["--datasets", "", "--steps", "5"], "no training examples: give --datasets or --extra-examples"),
+        (["--max-length", "70"], "no prompt fits: all 40 are longer than 6 tokens (--max-length minus 64)"),
+        (["--target", copy_target_without_tokenizer(path, tmp_path / "bare")], "has no tokenizer (none of"),
+        (["--init-from", str(tmp_path)], "has no model.safetensors"),
+    ]
+    lines = {}
+    for extra, message in cases:
+        # The prompt-length check sits in regenerate itself, ahead of the engine's start.
+        monkeypatch.setattr(cli, "regenerate", train_data.regenerate if "70" in extra else regenerate)
+        lines[message] = refusal(base + extra, capsys)
+        assert message in lines[message], (message, lines[message])
+    assert not os.path.exists(out)  # nothing written, not even the output folder
+    if os.environ.get("SHOW_REFUSALS"):
+        print("\n".join(lines.values()), file=open(os.environ["SHOW_REFUSALS"], "w"))
+
+
+def test_refusal_is_one_line_with_a_non_zero_exit_in_a_real_process(tiny_target, tmp_path):
+    import subprocess
+    import sys
+
+    bare = copy_target_without_tokenizer(tiny_target[0], tmp_path / "bare")
+    got = subprocess.run([sys.executable, "-m", "sglang_dflash.train", "--target", bare, "--out", str(tmp_path / "o"),
+                          "--datasets", "", "--steps", "0"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 1
+    assert got.stderr.strip().splitlines() == [
+        f"sglang-dflash-train: error: --target {bare!r} has no tokenizer (none of tokenizer.json, tokenizer.model, "
+        "vocab.json, vocab.txt, spiece.model, sentencepiece.bpe.model, tiktoken.model)"]
+    got = subprocess.run([sys.executable, "-m", "sglang_dflash.train", "--target", bare, "--out", "o",
+                          "--block-size", "1"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines() == [
+        "sglang-dflash-train: error: --block-size 1: must be >= 2 (the given token and at least one drafted token)"]
+
+
+def test_resume_refuses_a_saved_state_of_another_shape(tiny_target, tmp_path, capsys):
+    path, _, _, examples = tiny_target
+    from sglang_dflash.train.data import save_examples
+
+    save_examples(examples, str(tmp_path / "ex.jsonl"))
+    base = ["--target", path, "--out", str(tmp_path / "d"), "--datasets", "", "--extra-examples",
+            str(tmp_path / "ex.jsonl"), "--draft-layers", "1", "--steps", "2", "--batch-size", "2", "--anchors", "4",
+            "--max-length", "96"]
+    assert cli.main(base + ["--block-size", "4"]) == 0
+    line = refusal(base + ["--block-size", "8", "--resume"], capsys)
+    assert line.endswith("trained --block-size 4, this run asks for 8"), line
 
 
 # --- issue 81 item 5: a killed run resumes where it stopped; no checkpoint is half written ---

@@ -22,11 +22,13 @@ from ..bench.cli import comma_list, parser
 from ..bench.datasets import HELDOUT, add_dataset_options, problem_with_cache, problem_with_names
 from ..config import DFlashConfigError, default_target_layer_ids
 from .data import load_examples, regenerate, save_examples, training_prompts
-from .trainer import TrainConfig, resolve_mask_token_id, train
+from .trainer import TrainConfig, read_saved_config, resolve_mask_token_id, train
+
+PROG = "sglang-dflash-train"
 
 
 def parse_args(argv=None):
-    ap = parser(__doc__, prog="sglang-dflash-train")
+    ap = parser(__doc__, prog=PROG)
     ap.add_argument("--target", required=True, help="target model folder (Hugging Face layout)")
     ap.add_argument("--out", required=True, help="output folder for the draft checkpoint")
     add_dataset_options(ap, "sharegpt,gsm8k,mbpp,mt-bench", " to regenerate responses for; '' regenerates nothing")
@@ -71,26 +73,40 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     ap.add_argument("--init-from", help="start from this draft checkpoint (same shape) with a fresh schedule")
     ap.add_argument("--seed", type=int, default=0, help="of the anchors, batches and initial weights")
+    # One line, no usage block: the refusal is what the user needs to read.
+    ap.error = lambda message: ap.exit(2, f"{PROG}: error: {message}\n")
     args = ap.parse_args(argv)
-    if args.block_size < 2 or args.draft_layers < 1 or args.steps < 0:
-        ap.error("--block-size >= 2, --draft-layers >= 1 and --steps >= 0 are required")
-    if args.samples < 1 or args.sampled_prefix < 0 or args.temperature <= 0:
-        ap.error("--samples >= 1, --sampled-prefix >= 0 and --temperature > 0 are required")
+    for flag, ok, rule in (
+        ("--block-size", args.block_size >= 2, ">= 2 (the given token and at least one drafted token)"),
+        ("--draft-layers", args.draft_layers >= 1, ">= 1"),
+        ("--steps", args.steps >= 0, ">= 0 (0 writes the untrained draft)"),
+        ("--batch-size", args.batch_size >= 1, ">= 1"),
+        ("--anchors", args.anchors >= 1, ">= 1"),
+        ("--max-length", args.max_length > args.block_size, f"above --block-size {args.block_size}"),
+        ("--per-dataset", args.per_dataset >= 1, ">= 1"),
+        ("--save-every", args.save_every >= 1, ">= 1"),
+        ("--eval-examples", args.eval_examples >= 0, ">= 0"),
+        ("--lr", args.lr > 0, "> 0"),
+        ("--samples", args.samples >= 1, ">= 1"),
+        ("--sampled-prefix", args.sampled_prefix >= 0, ">= 0"),
+        ("--temperature", args.temperature > 0, "> 0"),
+        ("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"),
+        ("--max-minutes", args.max_minutes is None or args.max_minutes > 0, "> 0"),
+        ("--pause-after-minutes", args.pause_after_minutes is None or args.pause_after_minutes >= 0, ">= 0"),
+        ("--mask-token-id", args.mask_token_id is None or args.mask_token_id >= 0, ">= 0"),
+    ):
+        if not ok:
+            ap.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: must be {rule}")
     if args.samples > 1 and not args.sampled_prefix:
         ap.error("--samples > 1 needs --sampled-prefix: greedy responses to one prompt are all the same")
-    if args.max_new_tokens < 1 or args.sampled_prefix >= args.max_new_tokens:
-        ap.error("--max-new-tokens >= 1 and above --sampled-prefix is required")
-    if min(args.per_dataset, args.batch_size, args.anchors, args.save_every) < 1 or args.eval_examples < 0:
-        ap.error("--per-dataset, --batch-size, --anchors and --save-every >= 1, --eval-examples >= 0 are required")
-    if args.lr <= 0 or args.max_length <= args.block_size:
-        ap.error("--lr > 0 and --max-length above --block-size are required")
-    if (args.max_minutes is not None and args.max_minutes <= 0) or (
-            args.pause_after_minutes is not None and args.pause_after_minutes < 0):
-        ap.error("--max-minutes > 0 and --pause-after-minutes >= 0 are required")
-    if args.mask_token_id is not None and args.mask_token_id < 0:
-        ap.error("--mask-token-id must be >= 0")
+    if args.sampled_prefix >= args.max_new_tokens:
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: must be above --sampled-prefix {args.sampled_prefix}")
+    if not os.path.isdir(args.target):
+        ap.error(f"--target {args.target!r}: no such folder")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
-        ap.error(f"--target {args.target!r} has no config.json")
+        ap.error(f"--target {args.target!r} has no config.json (not a Hugging Face model folder)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a file, not a folder")
     if args.init_from and not os.path.isfile(os.path.join(args.init_from, "model.safetensors")):
         ap.error(f"--init-from {args.init_from!r} has no model.safetensors")
     try:
@@ -109,7 +125,41 @@ def parse_args(argv=None):
     missing = [p for p in args.extra_examples if not os.path.isfile(p)]
     if missing:
         ap.error(f"--extra-examples: no such file {missing[0]!r}")
+    cached = os.path.isfile(os.path.join(args.out, "examples.jsonl"))
+    if args.steps and not (args.datasets or args.extra_examples or cached):
+        ap.error("no training examples: give --datasets or --extra-examples")
     return args
+
+
+# Vocabulary files by their usual names: for a folder with none, transformers 5 builds an empty tokenizer
+# (one token, encodes nothing) instead of failing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def load_tokenizer(target: str):
+    """The target's own tokenizer (it renders the prompts and regenerates the responses), or one line why not."""
+    from transformers import AutoTokenizer
+
+    none_found = f"--target {target!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+    named = any(os.path.isfile(os.path.join(target, name)) for name in TOKENIZER_FILES)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except Exception as e:  # noqa: BLE001 - any loader failure is the same refusal
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(f"--target {target!r}: its tokenizer does not load: {first}" if named else none_found) \
+            from None
+    if len(tokenizer) < 2 or not tokenizer("a b", add_special_tokens=False)["input_ids"]:
+        raise SystemExit(f"--target {target!r}: its tokenizer is empty ({len(tokenizer)} tokens)" if named
+                         else none_found)
+    return tokenizer
+
+
+def target_text_config(target: str):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target)
+    return config, getattr(config, "text_config", None) or config
 
 
 def check_against_target(args, tokenizer) -> int:
@@ -117,10 +167,7 @@ def check_against_target(args, tokenizer) -> int:
 
     Returns the mask token id; a problem stops the command with one line.
     """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(args.target)
-    text = getattr(config, "text_config", None) or config
+    _, text = target_text_config(args.target)
     layers = text.num_hidden_layers
     if args.target_layer_ids is None:
         try:
@@ -132,36 +179,66 @@ def check_against_target(args, tokenizer) -> int:
     return resolve_mask_token_id(tokenizer, text.vocab_size, args.mask_token_id)
 
 
+def check_resume(args) -> None:
+    """A saved state of another draft shape would fail deep in load_state_dict: refuse it up front."""
+    state_path = os.path.join(args.out, "trainer_state.pt")
+    if not (args.resume and os.path.isfile(state_path)):
+        return
+    saved = read_saved_config(state_path)
+    for name, now in (("block_size", args.block_size), ("draft_layers", args.draft_layers)):
+        if saved.get(name) != now:
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"--resume: {state_path} trained {flag} {saved.get(name)}, this run asks for {now}")
+    if args.target_layer_ids is not None and saved.get("target_layer_ids") not in (None, args.target_layer_ids):
+        raise SystemExit(f"--resume: {state_path} tapped layers {saved['target_layer_ids']}, "
+                         f"this run asks for {args.target_layer_ids}")
+
+
 def main(argv=None) -> int:
+    """Refusals raised anywhere below come out as one ``sglang-dflash-train: ...`` line."""
+    try:
+        return run(argv)
+    except SystemExit as e:
+        if isinstance(e.code, str) and not e.code.startswith(PROG):  # the same prefix as argparse's refusals
+            raise SystemExit(f"{PROG}: error: {e.code}") from None
+        raise
+
+
+def run(argv=None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
+    cache = os.path.join(args.out, "examples.jsonl")
+    regenerating = bool(args.steps and args.datasets and not os.path.isfile(cache))
+    # Reading the prompts is quick and refuses a dataset that yields none.
+    prompts = training_prompts(args.datasets, args.data_dir, args.per_dataset) if regenerating else []
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = load_tokenizer(args.target)
     mask_token_id = check_against_target(args, tokenizer)
-    os.makedirs(args.out, exist_ok=True)
-    cache = os.path.join(args.out, "examples.jsonl")
+    check_resume(args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     examples = []  # --steps 0 writes the untrained draft: no data needed
     if args.steps and os.path.isfile(cache):
         examples = load_examples(cache)
         print(f"{len(examples)} regenerated examples from {cache}", file=sys.stderr)
-    elif args.steps:
-        prompts = training_prompts(args.datasets, args.data_dir, args.per_dataset)
-        if prompts:
-            print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
-            examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer,
-                                  max_prompt_tokens=args.max_length - 64, samples=args.samples,
-                                  sampled_prefix=args.sampled_prefix, temperature=args.temperature)
-        save_examples(examples, cache)
+    elif regenerating:
+        print(f"regenerating {len(prompts)} responses with the target ({args.engine})", file=sys.stderr)
+        examples = regenerate(args.target, prompts, args.max_new_tokens, args.engine, tokenizer=tokenizer,
+                              max_prompt_tokens=args.max_length - 64, samples=args.samples,
+                              sampled_prefix=args.sampled_prefix, temperature=args.temperature)
+        os.makedirs(args.out, exist_ok=True)
+        save_examples(examples, cache)  # a resumed run skips the regeneration
     for path in args.extra_examples if args.steps else ():
         extra = load_examples(path)
         print(f"{len(extra)} earlier examples from {path}", file=sys.stderr)
         examples += extra
     if args.steps and not examples:
-        raise SystemExit("no training examples: give --datasets or --extra-examples")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+        raise SystemExit(f"no training examples: {cache} holds none; give --extra-examples, or --datasets "
+                         "with a new --out")
+    if args.steps and args.eval_examples >= len(examples):
+        raise SystemExit(f"--eval-examples {args.eval_examples} leaves nothing to train on ({len(examples)} examples)")
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device)
     cfg = TrainConfig(
         out_dir=args.out, block_size=args.block_size, draft_layers=args.draft_layers,

@@ -27,7 +27,13 @@ def training_prompts(datasets: Sequence[str], data_dir: str, per_dataset: int) -
         raise SystemExit(f"{', '.join(frozen)}: held out for issue 79's final measurement, never for training")
     out = []
     for name in datasets:
-        out += read_cached_prompts(name, data_dir)[HELD_OUT.get(name, 0):][:per_dataset]
+        cached = read_cached_prompts(name, data_dir)
+        usable = cached[HELD_OUT.get(name, 0):][:per_dataset]
+        if not usable:  # a name the user gave that adds nothing is a mistake, not a silent no-op
+            why = (f"{data_dir} holds {len(cached)}, and the first {HELD_OUT[name]} are held out for the benchmark"
+                   if cached and HELD_OUT.get(name) else f"{name}.jsonl in {data_dir} is empty")
+            raise SystemExit(f"--datasets {name}: no training prompts: {why}")
+        out += usable
     return out
 
 
@@ -73,7 +79,11 @@ def regenerate(
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     encoded = [render(tokenizer, p) for p in prompts]
     if max_prompt_tokens is not None:  # longer prompts would be cut off in training anyway
-        encoded = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        fitting = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        if encoded and not fitting:  # refused before the engine starts
+            raise SystemExit(f"no prompt fits: all {len(encoded)} are longer than {max_prompt_tokens} tokens "
+                             f"(--max-length minus 64); raise --max-length")
+        encoded = fitting
     encoded = [ids for ids in encoded for _ in range(samples)]
     if engine == "auto":
         engine = "sglang" if torch.cuda.is_available() else "hf"
