@@ -447,6 +447,50 @@ def test_each_bad_argument_is_refused_in_one_line_before_any_work(tiny_target, t
         print("\n".join(lines.values()), file=open(os.environ["SHOW_REFUSALS"], "w"))
 
 
+def test_a_draft_that_does_not_fit_is_refused_with_the_size_it_needs(tiny_target, tmp_path, capsys, monkeypatch):
+    from sglang_dflash.train import memory
+
+    path = tiny_target[0]
+    monkeypatch.setattr(memory, "free_memory", lambda device: (10**6, "cuda:0"))
+    base = ["--target", path, "--out", str(tmp_path / "d"), "--datasets", "", "--steps", "0", "--block-size", "4",
+            "--draft-layers", "1"]
+    line = refusal(base, capsys)
+    assert "the draft does not fit cuda:0: training needs about" in line and "0.0 GB is free" in line, line
+    assert "target weights" in line and "draft weights, gradients and Adam" in line and "activations" in line
+    assert not os.path.exists(tmp_path / "d")
+    assert cli.main(base + ["--no-memory-check"]) == 0  # the escape hatch
+
+
+def test_memory_estimate_counts_the_real_parameters_and_the_loss_chunk_dominates_smollm2():
+    from types import SimpleNamespace
+
+    from sglang_dflash.config import DFlashDraftConfig, expected_draft_tensors
+    from sglang_dflash.reference import ReferenceDraft
+    from sglang_dflash.train.memory import GB, config_parameter_count, training_memory
+    from sglang_dflash.train.trainer import draft_config_dict
+
+    # SmolLM2-135M-Instruct's shape and the trainer's defaults (block 16, 3 layers, batch 8, 1024 tokens, 64 anchors).
+    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5,
+                           rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True)
+    draft_cfg = DFlashDraftConfig.from_dict(draft_config_dict(smol, TrainConfig(out_dir="-", draft_layers=3), 0))
+    draft_params = sum(__import__("math").prod(s) for s in expected_draft_tensors(draft_cfg).values())
+    assert draft_params == sum(p.numel() for p in ReferenceDraft(draft_cfg).parameters())
+    target_params = config_parameter_count(smol)
+    assert 134e6 < target_params < 135e6  # SmolLM2-135M
+    need = training_memory(draft_cfg, smol, target_params, draft_params, 8, 1024, 64, 8192, "cuda")
+    loss_chunk = 8192 * 49152 * 14
+    assert need["activations"] > loss_chunk > need["target weights"] + need["draft weights, gradients and Adam"]
+    assert 6 * GB < need["total"] < 10 * GB, need["total"] / GB
+
+
+def test_target_parameters_are_read_from_the_safetensors_headers(tiny_target):
+    from sglang_dflash.train.memory import safetensors_parameter_count
+
+    path, model, _, _ = tiny_target
+    assert safetensors_parameter_count(path) == sum(p.numel() for p in model.parameters())
+
+
 def test_refusal_is_one_line_with_a_non_zero_exit_in_a_real_process(tiny_target, tmp_path):
     import subprocess
     import sys

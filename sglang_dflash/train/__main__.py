@@ -14,6 +14,7 @@ any response is regenerated.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -73,6 +74,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     ap.add_argument("--init-from", help="start from this draft checkpoint (same shape) with a fresh schedule")
     ap.add_argument("--seed", type=int, default=0, help="of the anchors, batches and initial weights")
+    ap.add_argument("--no-memory-check", action="store_true",
+                    help="train even where the memory estimate (sglang_dflash/train/memory.py) says it will not fit")
     # One line, no usage block: the refusal is what the user needs to read.
     ap.error = lambda message: ap.exit(2, f"{PROG}: error: {message}\n")
     args = ap.parse_args(argv)
@@ -194,6 +197,27 @@ def check_resume(args) -> None:
                          f"this run asks for {args.target_layer_ids}")
 
 
+def check_memory(args, mask_token_id: int, device_type: str) -> None:
+    """Refuse a run whose tensors cannot fit the device (the estimate is in memory.py), before any slow work."""
+    from ..config import DFlashDraftConfig, expected_draft_tensors
+    from .memory import describe, free_memory, safetensors_parameter_count, config_parameter_count, training_memory
+    from .trainer import draft_config_dict
+
+    config, text = target_text_config(args.target)
+    cfg = TrainConfig(out_dir=args.out, block_size=args.block_size, draft_layers=args.draft_layers,
+                      target_layer_ids=args.target_layer_ids)
+    draft_cfg = DFlashDraftConfig.from_dict(draft_config_dict(config, cfg, mask_token_id))
+    draft_params = sum(math.prod(shape) for shape in expected_draft_tensors(draft_cfg).values())
+    target_params = safetensors_parameter_count(args.target) or config_parameter_count(text)
+    need = training_memory(draft_cfg, text, target_params, draft_params, args.batch_size, args.max_length,
+                           args.anchors, cfg.loss_chunk, device_type)
+    free, where = free_memory(device_type)
+    if need["total"] > free:
+        raise SystemExit(f"the draft does not fit {where}: training needs about {describe(need)}, "
+                         f"{free / 1e9:.1f} GB is free; lower --batch-size, --max-length or --anchors "
+                         f"(or --draft-layers), or pass --no-memory-check")
+
+
 def main(argv=None) -> int:
     """Refusals raised anywhere below come out as one ``sglang-dflash-train: ...`` line."""
     try:
@@ -219,6 +243,8 @@ def run(argv=None) -> int:
     mask_token_id = check_against_target(args, tokenizer)
     check_resume(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.no_memory_check:
+        check_memory(args, mask_token_id, device)
     examples = []  # --steps 0 writes the untrained draft: no data needed
     if args.steps and os.path.isfile(cache):
         examples = load_examples(cache)
