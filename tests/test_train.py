@@ -496,14 +496,16 @@ def test_refusal_is_one_line_with_a_non_zero_exit_in_a_real_process(tiny_target,
     import sys
 
     bare = copy_target_without_tokenizer(tiny_target[0], tmp_path / "bare")
+    # This checkout's package, whatever an installed copy points at.
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     got = subprocess.run([sys.executable, "-m", "sglang_dflash.train", "--target", bare, "--out", str(tmp_path / "o"),
-                          "--datasets", "", "--steps", "0"], capture_output=True, text=True, timeout=300)
+                          "--datasets", "", "--steps", "0"], capture_output=True, text=True, timeout=300, env=env)
     assert got.returncode == 1
     assert got.stderr.strip().splitlines() == [
         f"sglang-dflash-train: error: --target {bare!r} has no tokenizer (none of tokenizer.json, tokenizer.model, "
         "vocab.json, vocab.txt, spiece.model, sentencepiece.bpe.model, tiktoken.model)"]
     got = subprocess.run([sys.executable, "-m", "sglang_dflash.train", "--target", bare, "--out", "o",
-                          "--block-size", "1"], capture_output=True, text=True, timeout=300)
+                          "--block-size", "1"], capture_output=True, text=True, timeout=300, env=env)
     assert got.returncode == 2
     assert got.stderr.strip().splitlines() == [
         "sglang-dflash-train: error: --block-size 1: must be >= 2 (the given token and at least one drafted token)"]

@@ -2,8 +2,9 @@
 
 The estimate counts the tensors that live at the step's peak; it is written out term by term so a
 refusal can say what dominates. With the defaults on a small target (SmolLM2-135M: batch 8,
-1024 tokens, 64 anchors of 16) the chunked lm_head loss dominates (5.6 of 7.2 GB); on an 8B target
-with a 5-layer draft the frozen target's float32 weights and the draft's Adam state do (33 + 17 GB).
+1024 tokens, 64 anchors of 16) the chunked lm_head loss dominates (5.6 of 7.2 GB); on Qwen3-8B with a
+5-layer draft the frozen target's float32 weights lead (33 GB, then 26 of activations, 17 of draft
+state: 76 GB).
 
 Persistent over the run:
 - the frozen target, loaded in float32: 4 bytes per parameter (counted from the safetensors
