@@ -14,10 +14,11 @@ F3       0.5.18           stops are checked before the budget; logprob requests 
                           which fills them with ``compute_spec_logprobs``
 F4       0.5.19-0.5.20    server args resolve through declarations (0.5.20 raises on a raw
                           write); ``nxt_kv_lens_cpu``; the mamba checkpoint grid; the model's
-                          EOS ids join the tokens ``min_new_tokens`` holds back
+                          EOS ids join the tokens ``min_new_tokens`` holds back; 0.5.20 drops two
+                          flag names the DFlash model cards use (``card_flags.py``)
 F5       0.5.21-0.5.23    the worker is built without ``ps``; a KV-location plan on every
                           ``ForwardBatch`` and ``--attn-dp-size`` (0.5.22); DP attention in the
-                          built-in DFLASH (0.5.23)
+                          built-in DFLASH (0.5.23); no ``tc_piecewise`` prefill graphs (0.5.22)
 =======  ===============  =====================================================================
 
 :func:`missing_symbols` checks, without importing SGLang, that every module, class, function,
@@ -56,6 +57,10 @@ CHANGES = {
     "kv_loc_plan": "0.5.22",  # every ForwardBatch carries a bound KVLocPlan
     "attn_dp_size": "0.5.22",  # DP attention is --attn-dp-size; enable_dp_attention an alias
     "builtin_dp_attention": "0.5.23",  # the built-in DFLASH serves DP attention (CUDA)
+    # The model cards' --mamba-scheduler-strategy and --speculative-dflash-draft-window-size, aliases
+    # to 0.5.19, are gone (card_flags.py maps them)
+    "card_flag_aliases_removed": "0.5.20",
+    "tc_piecewise_removed": "0.5.22",  # --cuda-graph-backend-prefill tc_piecewise (the 4B card's)
 }
 # Draft architectures SGLang's built-in DFLASH serves and the plugin does not, by first release.
 BUILTIN_ONLY_DRAFTS = {
@@ -86,6 +91,7 @@ HOOK_TARGETS = {
     "allow_logprobs": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
     "server_info": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
     "refuse_unrunnable_prompt": "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+    "card_flags": "sglang.srt.server_args.prepare_server_args",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 # Target attention backends on which a width-1 step runs as a plain DECODE forward. Their decode
@@ -178,6 +184,16 @@ class SGLangRelease:
 
             return getattr(get_spec(), name)
         return getattr(server_args, name)
+
+    def cli_options(self) -> frozenset[str]:
+        """Every option string the launcher's parser takes on this release."""
+        import argparse
+
+        from sglang.srt.server_args import ServerArgs
+
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        return frozenset(s for action in parser._actions for s in action.option_strings)
 
     def pd_role(self, args) -> Optional[str]:
         """``prefill`` or ``decode`` on a PD-disaggregated server, else None. No release has the
@@ -350,7 +366,7 @@ class SGLangRelease:
         """The hooks this release needs, by name."""
         targets = {name: HOOK_TARGETS[name]
                    for name in ("create_worker", "handle_dflash_args", "resolve_algorithm", "server_info",
-                                 "refuse_unrunnable_prompt")}
+                                 "refuse_unrunnable_prompt", "card_flags")}
         if not self.has("stops_before_budget"):
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
         if not self.has("logprobs_reach_worker"):

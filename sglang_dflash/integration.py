@@ -20,6 +20,9 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
 * ``TokenizerManager._validate_one_request``: a request no forward can run (an empty prompt, token
   ids outside the vocabulary, more top logprobs than tokens) is refused with a 400 instead of
   ending the scheduler (``request_checks.py``).
+* ``server_args.prepare_server_args``: the DFlash model cards' flag names the release renamed are
+  taken under the release's names, with a log line (``card_flags.py``); kept where the built-in
+  serves DFLASH too.
 * ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
   DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
 
@@ -44,6 +47,7 @@ GEMMA_RMSNORM_CUDA = "sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda"  # 
 QKNORM_CHECK = "sglang.srt.models.utils.can_use_fused_inplace_qknorm"
 HANDLE_DFLASH_ARGS = compat.HOOK_TARGETS["handle_dflash_args"]
 UPDATE_FINISH_STATE = compat.HOOK_TARGETS["stop_before_length"]
+CARD_FLAGS = compat.HOOK_TARGETS["card_flags"]
 
 # Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
 # so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
@@ -82,6 +86,8 @@ def register() -> None:
             return log_builtin_hook(reason, original, server_args)
 
         HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin, HookType.AROUND)
+        if release.supported:  # the cards' commands start with the built-in too
+            HookRegistry.register(CARD_FLAGS, card_flags_hook, HookType.AROUND)
         return
     hooks = {
         "create_worker": create_worker_hook,
@@ -91,9 +97,26 @@ def register() -> None:
         "allow_logprobs": allow_logprobs_hook,
         "server_info": server_info_hook,
         "refuse_unrunnable_prompt": refuse_unrunnable_prompt_hook,
+        "card_flags": card_flags_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
+
+
+def card_flags_hook(original, argv, *args, **kwargs):
+    """The launcher's command line, with the model cards' flags under this release's names. Runs
+    in the launcher before SGLang parses anything; ``sgl.Engine(...)`` keyword arguments never
+    pass here and keep SGLang's names."""
+    from .card_flags import mentions_card_flag, rewrite
+
+    if isinstance(argv, (list, tuple)) and mentions_card_flag(argv):
+        release = _release()
+        argv, notes = rewrite(argv, release.cli_options().__contains__, release.version)
+        for note in notes:
+            # A warning: SGLang sets up logging only after parsing, and a start that then fails
+            # should still show it.
+            logger.warning(note)
+    return original(argv, *args, **kwargs)
 
 
 def fp32_rmsnorm_hook(original, self, x, *args, **kwargs):

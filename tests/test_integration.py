@@ -248,14 +248,14 @@ def test_an_unsupported_release_keeps_the_builtin_and_says_why(monkeypatch, vers
 def test_a_release_missing_any_symbol_keeps_the_builtin_all_or_nothing(monkeypatch):
     """Pretend the installed SGLang were another family: some symbol is missing, so no hook at all."""
     other = compat.SGLangRelease("0.5.23" if RELEASE.version == "0.5.17" else "0.5.17")
-    assert registered_targets(monkeypatch, other) == [integration.HANDLE_DFLASH_ARGS]
+    assert registered_targets(monkeypatch, other) == [integration.HANDLE_DFLASH_ARGS, integration.CARD_FLAGS]
     reason = integration.builtin_reason("plugin", other)
     assert reason.startswith(f"SGLang {other.version} lacks sglang.srt.")
 
 
 def test_builtin_switch_reason_names_the_switch(monkeypatch):
     monkeypatch.setenv(integration.IMPL_ENV, "builtin")
-    assert registered_targets(monkeypatch, RELEASE) == [integration.HANDLE_DFLASH_ARGS]
+    assert registered_targets(monkeypatch, RELEASE) == [integration.HANDLE_DFLASH_ARGS, integration.CARD_FLAGS]
     assert integration.builtin_reason("builtin", RELEASE) == "SGLANG_DFLASH_IMPL=builtin"
 
 

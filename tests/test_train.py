@@ -349,9 +349,10 @@ def test_cli_trains_on_earlier_examples_without_regenerating(tiny_target, tmp_pa
     assert cli.main(base + ["--out", str(tmp_path / "d"), "--extra-examples", str(tmp_path / "earlier.jsonl.xz")]) == 0
     assert f"{len(examples)} earlier examples from" in capsys.readouterr().err
     assert len(open(tmp_path / "d" / "train_log.jsonl").readlines()) == 3
-    assert os.path.getsize(tmp_path / "d" / "examples.jsonl") == 0  # nothing was regenerated
-    with pytest.raises(SystemExit, match="no training examples"):
+    assert not (tmp_path / "d" / "examples.jsonl").exists()  # nothing was regenerated, no empty cache to trust
+    with pytest.raises(SystemExit):
         cli.main(base + ["--out", str(tmp_path / "e")])
+    assert "no training examples: give --datasets or --extra-examples" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(base + ["--out", "o", "--extra-examples", str(tmp_path / "missing.jsonl")])
     assert "--extra-examples: no such file" in capsys.readouterr().err
@@ -375,3 +376,304 @@ def test_offline_accept_length_runs_the_reference_loop_on_benchmark_prompts(tiny
     assert 1 <= got["accept_length"] <= 4
     with pytest.raises(SystemExit):
         offline.main(["--target", path, "--draft", str(tmp_path / "none")])
+
+
+# --- issue 81 item 5: bad input refused in one line, before any slow work ---
+
+
+def copy_target_without_tokenizer(src, dst):
+    import shutil
+
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name in ("config.json", "generation_config.json") or name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), dst)
+    return str(dst)
+
+
+def refusal(argv, capsys):
+    """The one stderr line (and exit status) a refused command ends with."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    code = info.value.code
+    line = err if isinstance(code, int) else code
+    assert code != 0 and code is not None
+    assert "\n" not in line and "Traceback" not in line, line
+    assert line.startswith("sglang-dflash-train: "), line
+    return line
+
+
+def test_each_bad_argument_is_refused_in_one_line_before_any_work(tiny_target, tmp_path, capsys, monkeypatch):
+    from sglang_dflash.train import data as train_data
+
+    path = tiny_target[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
+    (data / "mbpp.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 5))  # 120 < 200
+
+    def regenerate(*a, **k):
+        raise AssertionError("regenerated before the arguments were checked")
+
+    monkeypatch.setattr(cli, "regenerate", regenerate)
+    out = str(tmp_path / "d")
+    base = ["--target", path, "--out", out, "--datasets", "gsm8k", "--data-dir", str(data), "--block-size", "4",
+            "--draft-layers", "1", "--max-length", "128"]
+    cases = [
+        (["--block-size", "1"], "--block-size 1: must be >= 2"),
+        (["--steps", "-1"], "--steps -1: must be >= 0"),
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (["--anchors", "0"], "--anchors 0: must be >= 1"),
+        (["--max-length", "4"], "--max-length 4: must be above --block-size 4"),
+        (["--max-length", "0"], "--max-length 0: must be above --block-size 4"),
+        (["--target", str(tmp_path / "nowhere")], "no such folder"),
+        (["--datasets", "gsm8k,nope"], "unknown datasets ['nope']"),
+        (["--datasets", "mbpp"], "--datasets mbpp: no training prompts: " + str(data) + " holds 120, and the first "
+                                 "200 are held out"),
+        (["--datasets", "", "--steps", "5"], "no training examples: give --datasets or --extra-examples"),
+        (["--max-length", "70"], "no prompt fits: all 40 are longer than 6 tokens (--max-length minus 64)"),
+        (["--target", copy_target_without_tokenizer(path, tmp_path / "bare")], "has no tokenizer (none of"),
+        (["--init-from", str(tmp_path)], "has no model.safetensors"),
+    ]
+    lines = {}
+    for extra, message in cases:
+        # The prompt-length check sits in regenerate itself, ahead of the engine's start.
+        monkeypatch.setattr(cli, "regenerate", train_data.regenerate if "70" in extra else regenerate)
+        lines[message] = refusal(base + extra, capsys)
+        assert message in lines[message], (message, lines[message])
+    assert not os.path.exists(out)  # nothing written, not even the output folder
+    if os.environ.get("SHOW_REFUSALS"):
+        print("\n".join(lines.values()), file=open(os.environ["SHOW_REFUSALS"], "w"))
+
+
+def test_a_draft_that_does_not_fit_is_refused_with_the_size_it_needs(tiny_target, tmp_path, capsys, monkeypatch):
+    from sglang_dflash.train import memory
+
+    path = tiny_target[0]
+    monkeypatch.setattr(memory, "free_memory", lambda device: (10**6, "cuda:0"))
+    base = ["--target", path, "--out", str(tmp_path / "d"), "--datasets", "", "--steps", "0", "--block-size", "4",
+            "--draft-layers", "1"]
+    line = refusal(base, capsys)
+    assert "the draft does not fit cuda:0: training needs about" in line and "0.0 GB is free" in line, line
+    assert "target weights" in line and "draft weights, gradients and Adam" in line and "activations" in line
+    assert not os.path.exists(tmp_path / "d")
+    assert cli.main(base + ["--no-memory-check"]) == 0  # the escape hatch
+
+
+def test_memory_estimate_counts_the_real_parameters_and_the_loss_chunk_dominates_smollm2():
+    from types import SimpleNamespace
+
+    from sglang_dflash.config import DFlashDraftConfig, expected_draft_tensors
+    from sglang_dflash.reference import ReferenceDraft
+    from sglang_dflash.train.memory import GB, config_parameter_count, training_memory
+    from sglang_dflash.train.trainer import draft_config_dict
+
+    # SmolLM2-135M-Instruct's shape and the trainer's defaults (block 16, 3 layers, batch 8, 1024 tokens, 64 anchors).
+    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5,
+                           rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True)
+    draft_cfg = DFlashDraftConfig.from_dict(draft_config_dict(smol, TrainConfig(out_dir="-", draft_layers=3), 0))
+    draft_params = sum(__import__("math").prod(s) for s in expected_draft_tensors(draft_cfg).values())
+    assert draft_params == sum(p.numel() for p in ReferenceDraft(draft_cfg).parameters())
+    target_params = config_parameter_count(smol)
+    assert 134e6 < target_params < 135e6  # SmolLM2-135M
+    need = training_memory(draft_cfg, smol, target_params, draft_params, 8, 1024, 64, 8192, "cuda")
+    loss_chunk = 8192 * 49152 * 14
+    assert need["activations"] > loss_chunk > need["target weights"] + need["draft weights, gradients and Adam"]
+    assert 6 * GB < need["total"] < 10 * GB, need["total"] / GB
+
+
+def test_target_parameters_are_read_from_the_safetensors_headers(tiny_target):
+    from sglang_dflash.train.memory import safetensors_parameter_count
+
+    path, model, _, _ = tiny_target
+    assert safetensors_parameter_count(path) == sum(p.numel() for p in model.parameters())
+
+
+def test_refusal_is_one_line_with_a_non_zero_exit_in_a_real_process(tiny_target, tmp_path):
+    import subprocess
+    import sys
+
+    bare = copy_target_without_tokenizer(tiny_target[0], tmp_path / "bare")
+    # This checkout's package, whatever an installed copy points at.
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    got = subprocess.run([sys.executable, "-m", "sglang_dflash.train", "--target", bare, "--out", str(tmp_path / "o"),
+                          "--datasets", "", "--steps", "0"], capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 1
+    assert got.stderr.strip().splitlines() == [
+        f"sglang-dflash-train: error: --target {bare!r} has no tokenizer (none of tokenizer.json, tokenizer.model, "
+        "vocab.json, vocab.txt, spiece.model, sentencepiece.bpe.model, tiktoken.model)"]
+    got = subprocess.run([sys.executable, "-m", "sglang_dflash.train", "--target", bare, "--out", "o",
+                          "--block-size", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines() == [
+        "sglang-dflash-train: error: --block-size 1: must be >= 2 (the given token and at least one drafted token)"]
+
+
+def test_resume_refuses_a_saved_state_of_another_shape(tiny_target, tmp_path, capsys):
+    path, _, _, examples = tiny_target
+    from sglang_dflash.train.data import save_examples
+
+    save_examples(examples, str(tmp_path / "ex.jsonl"))
+    base = ["--target", path, "--out", str(tmp_path / "d"), "--datasets", "", "--extra-examples",
+            str(tmp_path / "ex.jsonl"), "--draft-layers", "1", "--steps", "2", "--batch-size", "2", "--anchors", "4",
+            "--max-length", "96"]
+    assert cli.main(base + ["--block-size", "4"]) == 0
+    line = refusal(base + ["--block-size", "8", "--resume"], capsys)
+    assert line.endswith("trained --block-size 4, this run asks for 8"), line
+
+
+# --- issue 81 item 5: a killed run resumes where it stopped; no checkpoint is half written ---
+
+
+RESUME_CFG = dict(block_size=4, draft_layers=1, batch_size=4, anchors=8, save_every=4, max_length=96, steps=12,
+                  lr=3e-3)
+
+
+def final_state(out):
+    from safetensors.torch import load_file
+
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    log = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
+    return state, load_file(os.path.join(out, "model.safetensors")), log
+
+
+def test_a_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tiny_target, tmp_path, monkeypatch):
+    """On CPU the resumed run is bitwise the uninterrupted one: weights, Adam moments, losses. It restores
+    the weights, the optimizer, the step (the LR schedule is a function of it) and the batch, anchor and
+    torch RNG states. (With --max-minutes the schedule follows wall time, and bf16 autocast on CUDA is not
+    bitwise reproducible run to run: there only the step, data order and RNG streams are the same.)"""
+    from sglang_dflash.train import trainer
+
+    path, model, tok, examples = tiny_target
+    whole = str(tmp_path / "whole")
+    train(model, tok, examples, TrainConfig(out_dir=whole, **RESUME_CFG), log=lambda *a: None)
+
+    killed = str(tmp_path / "killed")
+    real_batch_loss, calls = trainer.batch_loss, []
+
+    def dies_in_step_7(*a, **k):
+        calls.append(1)
+        if len(calls) == 7:  # past the checkpoint at step 4: steps 5 and 6 are lost with the process
+            raise KeyboardInterrupt
+        return real_batch_loss(*a, **k)
+
+    monkeypatch.setattr(trainer, "batch_loss", dies_in_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, tok, examples, TrainConfig(out_dir=killed, **RESUME_CFG), log=lambda *a: None)
+    monkeypatch.setattr(trainer, "batch_loss", real_batch_loss)
+    assert torch.load(os.path.join(killed, "trainer_state.pt"), weights_only=False)["step"] == 4
+    messages = []
+    train(model, tok, examples, TrainConfig(out_dir=killed, **RESUME_CFG), resume=True, log=messages.append)
+    assert messages == ["resumed from step 4"]
+
+    (a_state, a_model, a_log), (b_state, b_model, b_log) = final_state(whole), final_state(killed)
+    assert b_state["step"] == 12 and [r["step"] for r in b_log] == list(range(1, 13))
+    assert a_log == b_log  # every step's loss and accuracy, bitwise
+    assert all(torch.equal(a_state["draft"][k], b_state["draft"][k]) for k in a_state["draft"])
+    assert all(torch.equal(a_model[k], b_model[k]) for k in a_model)
+    for a, b in zip(a_state["optimizer"]["state"].values(), b_state["optimizer"]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_paused_run_resumes_bitwise_too(tiny_target, tmp_path):
+    path, model, tok, examples = tiny_target
+    whole, paused = str(tmp_path / "whole"), str(tmp_path / "paused")
+    train(model, tok, examples, TrainConfig(out_dir=whole, **RESUME_CFG), log=lambda *a: None)
+    train(model, tok, examples, TrainConfig(out_dir=paused, pause_after_minutes=0.0, **RESUME_CFG),
+          log=lambda *a: None)
+    assert torch.load(os.path.join(paused, "trainer_state.pt"), weights_only=False)["step"] == 1
+    train(model, tok, examples, TrainConfig(out_dir=paused, **RESUME_CFG), resume=True, log=lambda *a: None)
+    (a_state, _, a_log), (b_state, _, b_log) = final_state(whole), final_state(paused)
+    assert a_log == b_log and all(torch.equal(a_state["draft"][k], b_state["draft"][k]) for k in a_state["draft"])
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_whole(tiny_target, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from sglang_dflash.train import trainer
+
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    cfg = dict(RESUME_CFG, save_every=2)
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=2)), log=lambda *a: None)
+    before_model = load_file(os.path.join(out, "model.safetensors"))
+    before_state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+
+    def half_written(obj, target, *a, **k):
+        with open(target, "wb") as f:  # some bytes reach the disk, then the write fails
+            f.write(b"\0" * 64)
+        raise OSError("No space left on device")
+
+    for module, name in ((trainer, "save_file"), (torch, "save")):  # the weights, then the trainer state
+        with monkeypatch.context() as m:
+            m.setattr(module, name, half_written)
+            with pytest.raises(OSError, match="No space left"):
+                train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=4)), resume=True,
+                      log=lambda *a: None)
+        after = load_file(os.path.join(out, "model.safetensors"))
+        state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+        assert state["step"] == 2  # the previous state, whole and loadable
+        assert all(torch.equal(state["draft"][k], before_state["draft"][k]) for k in state["draft"])
+        if module is trainer:  # the weights' write failed: the old ones are there
+            assert all(torch.equal(after[k], before_model[k]) for k in before_model)
+        assert not [f for f in os.listdir(out) if f.endswith(".tmp")]  # no temporary file left behind
+    # The run goes on from the intact state.
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(cfg, steps=4)), resume=True, log=lambda *a: None)
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 4
+    assert [json.loads(x)["step"] for x in open(os.path.join(out, "train_log.jsonl"))] == [1, 2, 3, 4]
+
+
+# --- issue 81 item 4: progress with done/total and an ETA ---
+
+
+def test_training_and_regeneration_show_done_total_and_an_eta(tiny_target, tmp_path, capsys):
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(RESUME_CFG, steps=6, save_every=3)),
+          log=lambda *a: None)
+    err = capsys.readouterr().err
+    assert "training draft" in err and "6/6 [" in err and "<00:00" in err  # done/total [elapsed<remaining
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(RESUME_CFG, steps=8, save_every=3, max_minutes=5)),
+          resume=True, log=lambda *a: None)
+    err = capsys.readouterr().err
+    assert "8/8 [" in err and "budget_left=" in err
+    regenerate(path, PROMPTS[:3], max_new_tokens=4, engine="hf", hf_model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert "regenerating responses" in err and "3/3 [" in err
+
+
+def test_progress_is_quiet_without_tqdm(tiny_target, tmp_path, capsys, monkeypatch):
+    import sys
+
+    path, model, tok, examples = tiny_target
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now fails
+    out = str(tmp_path / "draft")
+    train(model, tok, examples, TrainConfig(out_dir=out, **dict(RESUME_CFG, steps=3)), log=lambda *a: None)
+    regenerate(path, PROMPTS[:2], max_new_tokens=4, engine="hf", hf_model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert "%|" not in err and "it/s" not in err, err
+    assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 3
+
+
+def test_sglang_regeneration_counts_requests_as_they_finish(capsys):
+    """The SGLang path (GPU) through a stand-in engine: one async request per prompt, results in order."""
+    import asyncio
+
+    from sglang_dflash.train.data import _SGLangGenerator
+
+    class Engine:
+        loop = asyncio.new_event_loop()
+
+        async def async_generate(self, input_ids, sampling_params):
+            await asyncio.sleep(0.01 * (5 - len(input_ids)))  # shorter prompts finish later: order must hold
+            n = sampling_params["max_new_tokens"]
+            return {"output_ids": [len(input_ids)] * n, "meta_info": {"finish_reason": {"type": "length"}}}
+
+    gen = _SGLangGenerator("-")
+    gen.llm = Engine()
+    got = gen([[1], [1, 2, 3], [1, 2]], 2, 0.0)
+    assert got == [([1, 1], False), ([3, 3], False), ([2, 2], False)]
+    assert "3/3" in capsys.readouterr().err
+    Engine.loop.close()

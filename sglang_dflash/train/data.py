@@ -13,6 +13,8 @@ from typing import Iterable, Optional, Sequence
 
 from ..bench.datasets import HELDOUT, read_cached_prompts
 from ..bench.heldout import Prompt, chat_messages
+from .atomic import write_text_atomically
+from .progress import progress_bar
 
 HELD_OUT = {"gsm8k": 200, "math500": 100, "humaneval": 82, "mbpp": 200, "mt-bench": 40, "sharegpt": 0,
             "math": 0}  # math: training only (MATH test without MATH-500)
@@ -25,7 +27,13 @@ def training_prompts(datasets: Sequence[str], data_dir: str, per_dataset: int) -
         raise SystemExit(f"{', '.join(frozen)}: held out for issue 79's final measurement, never for training")
     out = []
     for name in datasets:
-        out += read_cached_prompts(name, data_dir)[HELD_OUT.get(name, 0):][:per_dataset]
+        cached = read_cached_prompts(name, data_dir)
+        usable = cached[HELD_OUT.get(name, 0):][:per_dataset]
+        if not usable:  # a name the user gave that adds nothing is a mistake, not a silent no-op
+            why = (f"{data_dir} holds {len(cached)}, and the first {HELD_OUT[name]} are held out for the benchmark"
+                   if cached and HELD_OUT.get(name) else f"{name}.jsonl in {data_dir} is empty")
+            raise SystemExit(f"--datasets {name}: no training prompts: {why}")
+        out += usable
     return out
 
 
@@ -71,7 +79,11 @@ def regenerate(
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     encoded = [render(tokenizer, p) for p in prompts]
     if max_prompt_tokens is not None:  # longer prompts would be cut off in training anyway
-        encoded = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        fitting = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        if encoded and not fitting:  # refused before the engine starts
+            raise SystemExit(f"no prompt fits: all {len(encoded)} are longer than {max_prompt_tokens} tokens "
+                             f"(--max-length minus 64); raise --max-length")
+        encoded = fitting
     encoded = [ids for ids in encoded for _ in range(samples)]
     if engine == "auto":
         engine = "sglang" if torch.cuda.is_available() else "hf"
@@ -106,8 +118,22 @@ class _SGLangGenerator:
         self.llm.shutdown()
 
     def __call__(self, inputs, max_new_tokens: int, temperature: float):
-        results = self.llm.generate(input_ids=inputs, sampling_params={"max_new_tokens": max_new_tokens,
-                                                                        "temperature": temperature})
+        import asyncio
+
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        # All requests in flight at once (the scheduler batches them as one generate() call would);
+        # awaiting each on its own lets the bar count them as they finish.
+        with progress_bar(len(inputs), "regenerating responses") as bar:
+            async def one(ids):
+                result = await self.llm.async_generate(input_ids=ids, sampling_params=params)
+                bar.update(1)
+                return result
+
+            async def every():
+                return await asyncio.gather(*(one(ids) for ids in inputs))
+
+            loop = getattr(self.llm, "loop", None) or asyncio.get_event_loop()
+            results = loop.run_until_complete(every())
         finished = [(r["meta_info"].get("finish_reason") or {}).get("type") != "length" for r in results]
         return [(list(r["output_ids"]), done) for r, done in zip(results, finished)]
 
@@ -131,12 +157,12 @@ class _HFGenerator:
 
     def __call__(self, inputs, max_new_tokens: int, temperature: float):
         import torch
-        from tqdm import tqdm
 
         device = next(self.model.parameters()).device
         eos = self.tokenizer.eos_token_id
         out = []
-        for ids in tqdm(inputs, desc="regenerating responses", leave=False):
+        bar = progress_bar(len(inputs), "regenerating responses")
+        for ids in inputs:
             with torch.no_grad():
                 gen = self.model.generate(
                     torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
@@ -145,13 +171,15 @@ class _HFGenerator:
                 )
             new = gen[0, len(ids):].tolist()
             out.append((new, eos in new))
+            bar.update(1)
+        bar.close()
         return out
 
 
 def save_examples(examples: Sequence[Example], path: str) -> None:
-    with open(path, "w") as f:
-        for e in examples:
-            f.write(json.dumps({"ids": e.ids, "response_start": e.response_start}) + "\n")
+    """Whole or not at all: a resumed run trusts this cache instead of regenerating."""
+    write_text_atomically(path, "".join(json.dumps({"ids": e.ids, "response_start": e.response_start}) + "\n"
+                                        for e in examples))
 
 
 def load_examples(path: str, limit: Optional[int] = None) -> list[Example]:

@@ -29,7 +29,9 @@ from safetensors.torch import load_file, save_file
 
 from ..config import DFlashDraftConfig, default_target_layer_ids
 from ..reference import ReferenceDraft
+from .atomic import write_atomically, write_text_atomically
 from .data import Example
+from .progress import progress_bar
 
 
 @dataclass
@@ -300,15 +302,56 @@ def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_
 
 def save_checkpoint(draft: ReferenceDraft, config: dict, out_dir: str, dtype=torch.bfloat16,
                     state: Optional[dict] = None) -> None:
-    """The exact z-lab layout: config.json + model.safetensors (no embedding, no lm_head)."""
+    """The exact z-lab layout: config.json + model.safetensors (no embedding, no lm_head).
+
+    Each file is replaced whole (``write_atomically``): a kill mid-save leaves the previous
+    checkpoint as it was. ``trainer_state.pt`` goes last and carries its own copy of the weights,
+    so a resume never depends on which of the other files got written.
+    """
     os.makedirs(out_dir, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors.tmp"))
-    os.replace(os.path.join(out_dir, "model.safetensors.tmp"), os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_atomically(os.path.join(out_dir, "model.safetensors"), lambda tmp: save_file(tensors, tmp))
+    write_text_atomically(os.path.join(out_dir, "config.json"), json.dumps(config, indent=1))
     if state is not None:
-        torch.save(state, os.path.join(out_dir, "trainer_state.pt"))
+        write_atomically(os.path.join(out_dir, "trainer_state.pt"), lambda tmp: torch.save(state, tmp))
+
+
+def read_saved_config(state_path: str) -> dict:
+    """The ``TrainConfig`` a ``trainer_state.pt`` was written under (to refuse an incompatible resume)."""
+    return torch.load(state_path, map_location="cpu", weights_only=False).get("config", {})
+
+
+def rng_states(rng: random.Random, gen: torch.Generator) -> dict:
+    """Everything random a step draws from: the batch sampler, the anchor generator, torch's global RNGs."""
+    states = {"batches": rng.getstate(), "anchors": gen.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict, rng: random.Random, gen: torch.Generator) -> None:
+    rng.setstate(states["batches"])
+    # The states are CPU byte tensors; torch.load's map_location may have moved them to the GPU.
+    gen.set_state(states["anchors"].cpu())
+    torch.set_rng_state(states["torch"].cpu())
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+
+
+def keep_log_rows_up_to(path: str, step: int) -> None:
+    """Drop rows past ``step`` (and a line cut by a kill): the resumed run writes those steps again."""
+    if not os.path.isfile(path):
+        return
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step", 0) <= step:
+                rows.append(line if line.endswith("\n") else line + "\n")
+    write_text_atomically(path, "".join(rows))
 
 
 def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig, resume: bool = False,
@@ -318,8 +361,6 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     ``started`` (``time.monotonic()``) is when the command began: ``pause_after_minutes`` counts
     from there, so regeneration and loading fit inside a time-limited job too.
     """
-    from tqdm import tqdm
-
     device = next(target_model.parameters()).device
     vocab = target_model.get_input_embeddings().weight.shape[0]
     mask_id = resolve_mask_token_id(tokenizer, vocab, cfg.mask_token_id)
@@ -332,15 +373,23 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         init_draft_from(draft, cfg.init_from)
         log(f"initialised from {cfg.init_from}")
     start, trained_s = 0, 0.0
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
     state_path = os.path.join(cfg.out_dir, "trainer_state.pt")
     if resume and os.path.isfile(state_path):
         state = torch.load(state_path, map_location=device, weights_only=False)
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["optimizer"])
         start, trained_s = state["step"], state.get("train_seconds", 0.0)
+        if "rng" in state:  # the next batch and anchors are the ones an uninterrupted run would draw
+            restore_rng_states(state["rng"], rng, gen)
+        else:  # a state from before the RNG was saved: fresh streams, seeded by the step
+            gen.manual_seed(cfg.seed + start)
+            rng.seed(cfg.seed + start)
+        # The LR schedule needs no state: it is a function of the step (and trained time), both restored.
+        for name in ("train_log.jsonl", "eval_log.jsonl"):
+            keep_log_rows_up_to(os.path.join(cfg.out_dir, name), start)
         log(f"resumed from step {start}")
-    gen = torch.Generator().manual_seed(cfg.seed + start)
-    rng = random.Random(cfg.seed + start)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     history = []
     if cfg.steps == 0:  # the untrained baseline: initialised weights in the same layout
@@ -349,11 +398,12 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     if run_progress(start, trained_s, cfg) >= 1:
         log(f"the training budget is spent (step {start}, {trained_s / 60:.1f} min): nothing to resume")
         return cfg.out_dir
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training draft")
     pool, held_out = split_eval(examples, cfg.eval_examples, cfg.seed)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    bar = progress_bar(cfg.steps, "training draft", initial=start)
     t0 = time.monotonic()
     started = t0 if started is None else started
-    for step in bar:
+    for step in range(start, cfg.steps):
         progress = run_progress(step, trained_s + time.monotonic() - t0, cfg)
         batch = rng.sample(pool, min(cfg.batch_size, len(pool)))
         for g in opt.param_groups:
@@ -365,18 +415,23 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         opt.step()
         loss_value, acc_value = torch.stack([loss.detach().float(), acc.float()]).tolist()  # one host sync
         history.append({"step": step + 1, "loss": loss_value, "acc": acc_value})
-        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['acc']:.3f}")
         now = time.monotonic()
+        bar.update(1)
+        postfix = {"loss": f"{loss_value:.3f}", "acc": f"{acc_value:.3f}"}
+        if cfg.max_minutes:  # the bar's ETA counts steps; a time budget may end the run first
+            postfix["budget_left"] = f"{max(0.0, cfg.max_minutes - (trained_s + now - t0) / 60):.1f}min"
+        bar.set_postfix(postfix, refresh=False)
         done = step + 1 == cfg.steps or run_progress(step + 1, trained_s + now - t0, cfg) >= 1
         done = done or (cfg.pause_after_minutes is not None and now - started >= 60 * cfg.pause_after_minutes)
         if done or (step + 1) % cfg.save_every == 0:
-            save_checkpoint(draft, config, cfg.out_dir, state={
-                "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                "train_seconds": trained_s + now - t0, "config": asdict(cfg)})
+            # The log first: rows past the saved step are dropped on resume, missing rows could not come back.
             with open(os.path.join(cfg.out_dir, "train_log.jsonl"), "a") as f:
                 for h in history:
                     f.write(json.dumps(h) + "\n")
             history.clear()
+            save_checkpoint(draft, config, cfg.out_dir, state={
+                "draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                "train_seconds": trained_s + now - t0, "config": asdict(cfg), "rng": rng_states(rng, gen)})
             if held_out:
                 row = {"step": step + 1, **evaluate(draft, target, held_out, cfg, mask_id, pad)}
                 with open(os.path.join(cfg.out_dir, "eval_log.jsonl"), "a") as f:
@@ -385,6 +440,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
                           f"accept length {row['eval_accept_len']:.2f}")
         if done:
             break
+    bar.close()
     return cfg.out_dir
 
 
