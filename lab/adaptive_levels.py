@@ -21,10 +21,8 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from sglang_dflash.bench.stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step  # noqa: E402
+from sglang_dflash.bench.stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step
 
 A, B = "adaptive", "plugin-fixed"
 COUNTERS = ("decode_steps", "widths_used", "choices", "fallback")

@@ -1,7 +1,7 @@
 """Microseconds per call of a GPU function, as the lab's kernel benchmarks time it: CUDA events
 around repeated calls, the median of a few repetitions.
 
-    from cuda_timing import event_us, graph_us      (lab/fa3_verify_bench.py, lab/verify_attention_bench.py)
+    from lab.cuda_timing import event_us, graph_us      (lab/fa3_verify_bench.py, lab/verify_attention_bench.py)
 """
 
 import argparse

@@ -5,7 +5,7 @@ the request table as page table, the block already in the cache) against the plu
 over the same table (``ops.block_attention_by_table``), on the 8B-shape rig's heads (32 query, 8 KV,
 dim 128), a block of 16 per request, causal (the verify) and not (the draft).
 
-    python3 lab/fa3_verify_bench.py OUT.json [--calls 20]
+    python3 -m lab.fa3_verify_bench OUT.json [--calls 20]
 
 Each kernel runs from a CUDA graph of ``--calls`` calls, as a serving step replays it; per batch
 size and context: microseconds per call (median of 7 replays) and the largest error of each
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from cuda_timing import graph_us
+from lab.cuda_timing import graph_us
 from sglang.kernels.ops.attention.flash_attention import flash_attn_with_kvcache
 
 from sglang_dflash.ops.block_attention import block_attention_by_table, default_splits

@@ -26,4 +26,4 @@ fi
 export PYTHONPATH=/tmp/pd-site:$PYTHONPATH
 export LD_LIBRARY_PATH=/tmp/pd-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 [ $# -gt 0 ] || exit 0
-exec python3 lab/pd_pair.py "$@"
+exec python3 -m lab.pd_pair "$@"

@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 source lab/gpu_setup.sh "$version" || exit 1
 # Prefills from SGLang's breakable prefill graphs, its default, captured up to PREFILL_GRAPHS tokens
 # (default 4096: a c32 wave of 128-token prompts; SGLang's own 8192 takes minutes at this size), or
-# eagerly with PREFILL_GRAPHS=off (every rig run before session 28). Decode graphs up to GRAPH_BS.
+# eagerly with PREFILL_GRAPHS=off (every rig run before 2026-11-25). Decode graphs up to GRAPH_BS.
 case $version in
     0.5.17|0.5.18|0.5.19) graphs="--disable-piecewise-cuda-graph --cuda-graph-max-bs ${GRAPH_BS:-32}" ;;
     *) graphs="--disable-prefill-cuda-graph --cuda-graph-max-bs-decode ${GRAPH_BS:-32}" ;;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2 servers side by side on SGLang 0.5.23 with fa3, as sessions 43-48 measured the default
+# SmolLM2 servers side by side on SGLang 0.5.23 with fa3, as the default was measured
 # against fixed 16 (results/adaptive/README.md). Parts made here first: lab/build-gpu-kit.sh 0.5.23
 # .kit0523, bash lab/pack-fa3.sh, bash lab/pack-smollm2.sh, the shipped draft copied to .smol-pdraft
 # (results/smollm2-draft/{config.json,model.safetensors}) and .bench-eval

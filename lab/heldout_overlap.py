@@ -19,9 +19,7 @@ import sys
 import tempfile
 import zipfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from sglang_dflash.bench import datasets as fd  # noqa: E402
+from sglang_dflash.bench import datasets as fd
 
 N = 8
 OVERLAPPING = 0.2

@@ -5,12 +5,12 @@ budget: the servers start together, each with a fixed KV pool; every prompt has 
 new prompt shape costs the float32 Triton attention a ~20 s compile on SGLang 0.5.23); and the JSON
 is rewritten after each stage, so a run cut short still says how far it got.
 
-    python lab/lossless_pair.py OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
+    python -m lab.lossless_pair OUTDIR [--prompts 200] [--new-tokens 128] [--block 16]
                                 [--widths auto [--width-policy cycle] [--fallback force] [--plain-too]]
                                 [--server-default [--plain-too]]
                                 [--smollm2 TARGET_DIR --draft DIR --data-dir DIR] [--context-ab 64]
                                 [--prefill-graphs off|on|N] [--backend triton] [--dtype float32]
-    python lab/lossless_pair.py OUTDIR --backend flashinfer --dtype bfloat16 --ab-only \
+    python -m lab.lossless_pair OUTDIR --backend flashinfer --dtype bfloat16 --ab-only \
                                 --context-ab 64 --ab-env SGLANG_DFLASH_SKIP_HOST_LENGTHS=0
 
 Two pairs: the tiny one (random weights, about 1.3 tokens a step) and, with ``--smollm2``,
@@ -45,7 +45,7 @@ from sglang_dflash import compat
 from sglang_dflash.bench.client import kv_loads, run_requests, server_info
 from sglang_dflash.bench.server import (Server, ServerSpec, exit_on_sigterm, prefill_graph_flags,
                                         start_together, stop_all)
-from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
+from lab.tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
 FLAGS = ["--attention-backend", "triton", "--grammar-backend", "none",
          "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sglang_dflash import compat
 from sglang_dflash.bench.client import get_json, kv_loads, post_json
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, free_port, start_together, stop_all
-from tiny_pair import DEFAULT_DIR, ensure_tiny_pair
+from lab.tiny_pair import DEFAULT_DIR, ensure_tiny_pair
 
 # Decode graphs for every batch the pool admits: the built-in's eager draft step crashes in float32
 # (bfloat16 input embeddings against float32 weights, seen with graphs up to bs 8 only).

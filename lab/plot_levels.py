@@ -72,7 +72,7 @@ def main() -> None:
     cx.set_title("Steps the policy slept through, per set and run", fontsize=10)
     for axis in (bx, cx):
         axis.set_xticks(range(len(LEVELS)), LEVELS)
-    fig.text(0.01, 0.01, "One host per session, one lease each. Host speed differs by up to 1.5x between leases; "
+    fig.text(0.01, 0.01, "One host per run, one lease each. Host speed differs by up to 1.5x between leases; "
              "the intervals resample whole rotation cycles.", fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(args.output, dpi=110)

@@ -1,6 +1,6 @@
 """GPU: every request parameter under DFLASH against plain decoding, one row per parameter.
 
-    python lab/request_params_matrix.py OUTDIR [--pair tiny|smollm2] [--impls plugin,builtin]
+    python -m lab.request_params_matrix OUTDIR [--pair tiny|smollm2] [--impls plugin,builtin]
                                         [--prompts 32] [--new-tokens 48] [--grammar xgrammar|none]
                                         [--rows plain,n,...,sampled]
 
@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sglang_dflash import compat
 from sglang_dflash.bench.client import generate_stream, kv_loads, post_json, server_info
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, start_together, stop_all, startup_reason
-from tiny_pair import ensure_tiny_pair
+from lab.tiny_pair import ensure_tiny_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}

@@ -1,25 +1,25 @@
 """One simulated server through levels c1..c64, the width policy and the per-request fallback run
 as the worker runs them (padded verify), against fixed 16 on the same requests.
 
-A host-bound cost model after SmolLM2 on an H200 (sessions 31 and 45): every drafting width costs
+A host-bound cost model after SmolLM2 on an H200 (measured November 2026): every drafting width costs
 the same, width 1 15% less, a single narrower verify 0.7 ms more, the first verify after plain steps
 1 ms more; 10% noise and one-sided hiccups. Each request's drafts pass through easy and hard
 stretches. Prints adaptive / fixed 16 per level, the share of steps asleep (``WidthPolicy.sleeping``)
 and the steps not at width 16, by rule.
 
-    python3 lab/simulate_policy.py [--code CHECKOUT] [--seeds 4] [--host [--cuda]]
+    python3 lab/simulate_policy.py [--seeds 4] [--host [--cuda]]
 
 ``--host`` prints instead the policy's own host time a step (``step_widths`` and ``learn_step``)
 at bs 1-64, on this machine's CPU; ``--cuda`` adds the CUDA calls with which the worker times a
 step (an event recorded, then queried and read against the step before's).
 
-``--code`` imports ``sglang_dflash`` from another checkout (``git worktree add /tmp/old HEAD~3``).
+To run another checkout's ``sglang_dflash``, put it first on the path:
+``PYTHONPATH=/tmp/old python3 lab/simulate_policy.py`` (``git worktree add /tmp/old HEAD~3``).
 """
 
 import argparse
 import random
 import statistics
-import sys
 from collections import Counter
 
 
@@ -166,15 +166,12 @@ def cuda_calls(calls=2000):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--code", help="a checkout whose sglang_dflash to import")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--host", action="store_true", help="print the policy's host time a step instead")
     ap.add_argument("--cuda", action="store_true", help="with --host: also the CUDA calls that time a step")
     args = ap.parse_args()
     if args.cuda and not args.host:
         ap.error("--cuda goes with --host")
-    if args.code:
-        sys.path.insert(0, args.code)
     if args.host:
         host_time()
         return cuda_calls() if args.cuda else None

@@ -3,7 +3,7 @@ steps from the ones a request boundary (a prefill, a new request) falls in.
 
 A light profile's idle total mixes the two: 20 steps caught under load can hold a prefill, and the
 GPU then waits 1-70 ms, which says nothing about a steady step. `profile_step.json` carries the split
-(`step_kinds`) since session 42; this reads it from a raw trace kept from an earlier run. Each step
+(`step_kinds`) since 2026-11-27; this reads it from a raw trace kept from an earlier run. Each step
 runs from one launch of MARKER (a kernel every decode step runs once: the plugin's
 `_prepare_block_kernel`, the built-in's `_prepare_dflash_draft_block`) to the next. A step is steady
 when no single GPU gap in it reaches --steady-gap-us (a graph's own kernels leave gaps of a few µs,

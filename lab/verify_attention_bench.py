@@ -4,7 +4,7 @@ kernel (what a DFLASH verify runs on NVIDIA without the plugin's), its split-KV 
 (enabled by SGLang on gfx95 only) and the plugin's block kernel (``ops.block_attention``), on the
 8B-shape rig's heads (32 query, 8 KV, dim 128), a block of 16 per request.
 
-    python3 lab/verify_attention_bench.py OUT.json [--dtype bfloat16|float32] [--no-split-kv]
+    python3 -m lab.verify_attention_bench OUT.json [--dtype bfloat16|float32] [--no-split-kv]
 
 Per batch size and context: microseconds per call (median of CUDA-event timings, each over 50
 calls), the split-KV kernel at 4 splits (an eager verify's short-context choice) and at 16 (a
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from cuda_timing import event_us
+from lab.cuda_timing import event_us
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 

@@ -189,7 +189,7 @@ class WidthPolicy:
 
     SURE_AFTER = 3  # measured steps before a width's cost may keep it from being measured again
     CONFIRM_LAG = 3  # steps until a step's time reaches the policy (the overlap schedule reports late)
-    # The most steps between a bucket's probes. SmolLM2 on an H200 (session 45, mt-bench): width 8,
+    # The most steps between a bucket's probes. SmolLM2 on an H200 (2026-11-28, mt-bench): width 8,
     # within 1.5% of width 16's tokens at about its cost, was probed every 16 steps (4-7% of a level's
     # steps) and never won; at bs 1-2 a single width-8 call took 0.5-0.9 ms more host time than width 16's.
     MAX_PROBE_GAP = 256
@@ -197,8 +197,8 @@ class WidthPolicy:
     # A bucket that has held full width AWAKE_STEPS steps since it chose it or last woke sleeps
     # SLEEP_STEPS (:meth:`sleeping`), twice as long each time it wakes on schedule to the same
     # choice, up to LONGEST_SLEEP. SmolLM2 on an H200: width 16 in 98-99.9% of steps at c1-c64; the
-    # policy's calls took 1.5-1.9% of fixed 16's host time a step awake (session 53), the whole of
-    # the 0.98 goal's margin, and 0.6-0.8% with every sleep SLEEP_STEPS long (session 54, 78-86% of
+    # policy's calls took 1.5-1.9% of fixed 16's host time a step awake (2026-11-29), the whole of
+    # the 0.98 goal's margin, and 0.6-0.8% with every sleep SLEEP_STEPS long (2026-11-29, 78-86% of
     # steps asleep), nearly all of it in the awake steps. It wakes early where its drafts'
     # acceptance falls (:meth:`watch`), and a changed choice starts again from SLEEP_STEPS.
     AWAKE_STEPS = 64
@@ -241,7 +241,7 @@ class WidthPolicy:
     def best_possible(self, width: int, bs: int) -> float:
         """Expected tokens per second at the least a step of ``width`` can cost (unbounded when
         nothing measured bounds it). Full width is bounded by its own smaller batches alone: a
-        narrower width does not always read cheaper (SmolLM2 on fa3, session 30: width 8 read 1.6x
+        narrower width does not always read cheaper (SmolLM2 on fa3, 2026-11-26: width 8 read 1.6x
         width 16 in the policy's timings), and bounded by one, width 16 went untried at a whole
         batch size."""
         floor = self.costs.lower_bound(width, bs, self.SURE_AFTER, narrower=width < max(self.widths))
@@ -364,22 +364,22 @@ class WidthPolicy:
         least, on two such samples, for a narrower one, which commits fewer tokens and can win on
         its cost alone. The held width is timed every step, the others now and then, on a host
         whose speed drifts in stretches: a challenger's older samples come from other stretches
-        than the held width's recent ones (SmolLM2 on fa3, session 31:
+        than the held width's recent ones (SmolLM2 on fa3, 2026-11-26:
         width 8, timed long before in a quiet stretch, held for hundreds of steps at the cost of
         width 16), and one sample of its own can fall in a quiet moment between slow ones
-        (session 43, H200: width 8 held for 30-47% of a level's steps after single readings such
+        (2026-11-27, H200: width 8 held for 30-47% of a level's steps after single readings such
         as 16 at 5.2 ms against 8 at 4.1, where steady runs of each cost the same)."""
         b = bucket(bs)
         best = max(measured, key=lambda w: self.throughput(w, bs))
         # A bucket's first choice is a switch from full width: a narrower width read cheapest on its
         # few first tries, where every width costs the same, was otherwise held until full width
-        # won a confirm (session 44, H200, SmolLM2 mt-bench: width 8 for 16-22% of the first level).
+        # won a confirm (2026-11-27, H200, SmolLM2 mt-bench: width 8 for 16-22% of the first level).
         held = self.current.get(b, max(self.widths))
         if best == held:
             self.first_wins.pop(b, None)  # a win counts only while its width still reads best
         elif self.costs.estimate(held, bs) is None:
             # Not timed at this bucket yet (full width bounded out of its first tries by a slow
-            # smaller bucket): time it before another replaces it (session 50, H200, SmolLM2
+            # smaller bucket): time it before another replaces it (2026-11-28, H200, SmolLM2
             # gsm8k c32: width 8 held for 590 steps that way, until deep refreshes timed width 16).
             return held, False
         else:
@@ -397,7 +397,7 @@ class WidthPolicy:
             # Its window holds samples from both sides now. A wider challenger's one sample is set
             # against their median, as likely beaten as not on equal costs; a narrower one's against
             # their least: the least of several, set against one, would keep a narrower width held
-            # on a noisy host (session 44, H200: width 8 held at bs 8-32 through 27 confirm steps
+            # on a noisy host (2026-11-27, H200: width 8 held at bs 8-32 through 27 confirm steps
             # of width 16, whose least read 15% cheaper than width 8's).
             beside = self.costs.typical(held, bs) if best > held else self.costs.estimate(held, bs)
             rate = self.acceptance.expected_tokens(best) / seconds
@@ -439,7 +439,7 @@ class WidthPolicy:
         measured fewer than ``SURE_AFTER`` times is judged by the least it can cost instead (a slow
         first use must not keep a width out), against ``chosen`` itself, as for a first try: that
         least is already a bound, and with the margin too, a width that got no first try was timed
-        by refreshes alone (8B rig, every draft accepted, fa3, session 40: width 8 at bs 32, 4 steps)."""
+        by refreshes alone (8B rig, every draft accepted, fa3, 2026-11-27: width 8 at bs 32, 4 steps)."""
         held = self.throughput(chosen, bs)
         if held is None:  # the held width is not timed at this bucket yet (:meth:`_best`): this step times it
             return None
@@ -480,7 +480,7 @@ class WidthPolicy:
     def record_later(self, width: int, bs: int, accept_lens: Sequence[int], timing) -> None:
         """:meth:`record`, once the policy next decides (or reports): a step whose width is held
         reads nothing learned. Several steps learned in one go run the policy's code once warm, not
-        every step cold after the scheduler's own work (session 51, H200: the policy's calls took
+        every step cold after the scheduler's own work (2026-11-28, H200: the policy's calls took
         72 us a step at c32, learning every step). What is decided is the same: every step is
         learned, in order, before any decision."""
         self.unlearned.append((width, bs, accept_lens, timing, self.steps))
@@ -504,10 +504,10 @@ class WidthPolicy:
         (:attr:`sglang_dflash.fallback.DraftHealth.fallen_tokens`), or where width 1 is not measured
         yet; else the policy's choice. On a host-bound pair every width costs about the same, so
         skipping the draft saves nothing and loses the drafts it would have accepted (SmolLM2
-        mt-bench at c1: 1.87 tokens a step against 2.13; session 45, H200: 3-9% of c1's steps were
+        mt-bench at c1: 1.87 tokens a step against 2.13; 2026-11-28, H200: 3-9% of c1's steps were
         plain, on a width 1 whose least read 12-15% below width 16's, where the requests' retries showed
         what the drafts would have added). Width 1's median, not its least: its first step after a
-        verify reads low (session 31)."""
+        verify reads low (2026-11-26)."""
         self._learn()
         one = self.costs.typical(1, bs)
         others = [s for w in self.widths if w != 1 and (s := self.costs.estimate(w, bs)) is not None]

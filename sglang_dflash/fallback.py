@@ -23,7 +23,7 @@ class DraftHealth:
     the requests in the current batch are remembered: one that leaves and comes back starts healthy.
 
     Its calls run in every decode step's host time (about 23 us a step at c32 on the H200 host,
-    session 51, with a loop over the batch in each): a request's fallback steps are counted from
+    2026-11-28, with a loop over the batch in each): a request's fallback steps are counted from
     the step it fell back at, so a padded verify's check touches no request unless the batch
     could be all in fallback (:meth:`all_fallen`), and :meth:`observe` loops over the batch once
     to find the misses, then only over the requests that missed or are in fallback.

@@ -7,7 +7,7 @@ is not timed. The events are read in step order once the scheduler has the step'
 step's start event, the step before's end, has no reader left afterwards and is recorded again.
 
 torch's ``elapsed_time`` reads a pair with three driver calls (a completeness query on each event
-first), 1.3 us in all on the H200 host (``lab/simulate_policy.py --host --cuda``, session 52): one
+first), 1.3 us in all on the H200 host (``lab/simulate_policy.py --host --cuda``, 2026-11-29): one
 ``cuEventElapsedTime`` through ctypes took 2.5 us there, its Python wrapping included.
 """
 

@@ -1,6 +1,6 @@
 """Load each hybrid rig's tensor names into SGLang's own model classes, on the CPU, at tiny widths.
 
-    python tests/sglang_rig_load.py     prints {shape/layout: {params, unloaded, not_found}} as JSON
+    PYTHONPATH=. python tests/sglang_rig_load.py     prints {shape/layout: {params, unloaded, not_found}} as JSON
 
 Run in a process of its own (tests/test_rig.py does): it sets up a one-rank gloo group, which
 would outlive a test. The rig's names and shapes come from ``rig_hybrid`` with every width cut
@@ -10,7 +10,6 @@ down, so SGLang's weight loaders check the same stacking and splitting they do a
 import json
 import logging
 import os
-import sys
 import warnings
 from dataclasses import replace
 
@@ -19,8 +18,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sglang_dflash.bench import rig_hybrid  # noqa: E402
+from sglang_dflash.bench import rig_hybrid  # noqa: E402  (the checkout, on PYTHONPATH: tests/test_rig.py)
 
 
 def tiny(s):

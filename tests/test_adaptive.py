@@ -143,7 +143,7 @@ def test_when_every_draft_is_accepted_almost_every_step_verifies_the_whole_block
 
 
 # Step ms by (width, batch-size bucket) that the policy measured on the 8B rig, fa3, SGLang 0.5.23
-# (results/adaptive/rig-*-fa3-session15): every draft accepted (zero weights) and none (random).
+# (rig runs of 2026-11-24, fa3): every draft accepted (zero weights) and none (random).
 RIG_RANDOM_MS = {(1, 1): 6.86, (1, 8): 7.18, (1, 16): 7.33, (1, 32): 7.72, (1, 64): 8.12, (2, 1): 8.36, (2, 8): 8.76,
                  (2, 16): 9.03, (2, 32): 9.98, (2, 64): 11.49, (4, 1): 8.40, (4, 8): 8.83, (4, 16): 9.16,
                  (4, 32): 10.29, (4, 64): 12.36, (8, 1): 8.45, (8, 8): 9.00, (8, 16): 9.29, (8, 32): 11.24,
@@ -179,11 +179,11 @@ def test_with_every_draft_accepted_narrow_widths_are_rarely_tried():
 
 
 def test_a_width_that_could_not_win_on_its_first_try_is_not_refreshed_either():
-    """Seen on the GPU (8B rig, zero weights, fa3, H100, session 40): width 8 at bs 32 could not
+    """Seen on the GPU (8B rig, zero weights, fa3, H100, 2026-11-27): width 8 at bs 32 could not
     beat width 16 even at a plain step's cost, so it got no first try, yet four refresh steps
     timed it (each cost every request a 17th step). An unmeasured width's least cost is already
     a bound: it is refreshed only where that bound beats the held width, as for a first try."""
-    def cost(w, b):  # session 40's step ms: 1@8 7.03, 16@8 8.73, 16@32 13.53, 8@32 10.50
+    def cost(w, b):  # the 2026-11-27 run's step ms: 1@8 7.03, 16@8 8.73, 16@32 13.53, 8@32 10.50
         if w == 1:
             return {1: 6.7, 8: 7.03, 32: 7.5}[bucket(b)] / 1000
         fixed, per_token = {1: (7.7, 0.005), 8: (8.0, 0.046), 32: (7.47, 0.379)}[bucket(b)]
@@ -200,7 +200,7 @@ def test_a_width_that_could_not_win_on_its_first_try_is_not_refreshed_either():
 
 def test_with_no_draft_accepted_the_policy_stays_within_one_and_a_half_percent_of_plain_steps():
     """The rig's random weights: width 1 (a verify of the bonus alone) at each bucket's cost. Seen
-    on the GPU (triton, session 16): re-measuring every width within 20% of the choice kept
+    on the GPU (triton, 2026-11-24): re-measuring every width within 20% of the choice kept
     widths 2-16 in 14% of the steps; the policy lost 1.8% here then."""
     ratios = []
     for seed in range(6):
@@ -212,13 +212,13 @@ def test_with_no_draft_accepted_the_policy_stays_within_one_and_a_half_percent_o
         run_levels(policy, 0.0, RIG_RANDOM_MS, [1, 8, 32, 64], rng)
         width_1_only = sum(rig_ms(RIG_RANDOM_MS, 1, bs) / 1000 for _, bs, _ in spent)
         ratios.append(sum(seconds for _, _, seconds in spent) / width_1_only)
-    # 1.025: the noise's mean. The policy of session 31 spent 1.043x (full-width deep refreshes at
+    # 1.025: the noise's mean. The policy of 2026-11-26 spent 1.043x (full-width deep refreshes at
     # bs 64, each 2.7x a width-1 step).
     assert statistics.mean(ratios) <= 1.015 * 1.025, ratios
 
 
 def test_host_bound_noisy_steps_keep_the_full_block():
-    """Seen on the GPU (SmolLM2 on an H100, session 16): a step is host work, about the same at
+    """Seen on the GPU (SmolLM2 on an H100, 2026-11-24): a step is host work, about the same at
     every width and noisy by up to 30%, so a narrower width commits fewer tokens and saves no
     time. With a 20% re-measurement margin the policy lost 1.5-2.5% to fixed 16 here."""
     levels, p = [1, 2, 4, 8, 16, 32, 64], 0.72  # about 3.5 tokens a step at width 16
@@ -277,7 +277,7 @@ class SlowStretches:
 
 
 def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
-    """Seen on the GPU (SmolLM2, triton, pinned, session 24): a step is about 3.5 ms of host work
+    """Seen on the GPU (SmolLM2, triton, pinned, 2026-11-25): a step is about 3.5 ms of host work
     at every width, and now and then a late host or a scheduler turn adds several ms (one width
     read 4.9 and 18.5 ms at one batch size). A lower median of such samples, and a bound raised by
     one unlucky sample, kept the policy on widths 2-8 at whole levels: 0.76-0.93x fixed 16 in
@@ -293,7 +293,7 @@ def test_host_bound_steps_with_one_sided_hiccups_keep_the_full_block():
 
 
 def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
-    """Seen on the GPU (SmolLM2, fa3, session 30): the same server's steps ran 30-60% slower for
+    """Seen on the GPU (SmolLM2, fa3, 2026-11-26): the same server's steps ran 30-60% slower for
     stretches of waves, and narrow widths were chosen after width 16 read slow in such a stretch.
     Here every width costs the same and stretches of 50-200 steps run 1.6x slower: a width chosen
     on a slow reading must not stay long, or the policy loses the tokens it leaves unverified."""
@@ -308,9 +308,9 @@ def test_slow_stretches_that_hit_every_width_alike_keep_the_full_block():
 
 
 def test_narrow_widths_that_cost_more_than_full_width_are_not_kept_after_a_slow_stretch():
-    """Seen on the GPU (SmolLM2, fa3, session 30): narrower widths read dearer than width 16 in the
+    """Seen on the GPU (SmolLM2, fa3, 2026-11-26): narrower widths read dearer than width 16 in the
     policy's timings (16 about 2.8 ms, 8 about 4.5, 4 about 6.6, 1 about 3.6; timed in runs of
-    their own, session 31, they cost the same), and slow stretches hit every width. Width 16 first
+    their own, 2026-11-26, they cost the same), and slow stretches hit every width. Width 16 first
     measured in a stretch, or bounded by a narrower width's reading, was not tried again for
     hundreds of steps: 0.94-0.95x fixed 16 here before."""
     cost_ms = {16: 2.8, 8: 4.5, 4: 6.0, 2: 5.0, 1: 3.6}
@@ -355,7 +355,7 @@ def drained_waves(policy, seed, p, levels=(16, 32, 4, 8), waves=12):
 
 
 def test_a_host_that_drifts_between_waves_does_not_hold_narrower_widths():
-    """Seen on the GPU (SmolLM2 on an H200, fa3, session 43): steady runs of widths 16, 8, 4 and 2
+    """Seen on the GPU (SmolLM2 on an H200, fa3, 2026-11-27): steady runs of widths 16, 8, 4 and 2
     cost the same, yet the default held width 8 in 30-47% of a level's steps (gsm8k c16 and c32,
     mt-bench c32), switching on single readings such as 16 at 5.2 ms against 8 at 4.1: the held
     width's samples came from a slow stretch, the challenger's from the quiet moment after it.
@@ -366,7 +366,7 @@ def test_a_host_that_drifts_between_waves_does_not_hold_narrower_widths():
 
 
 def test_full_width_takes_back_a_bucket_held_narrower_once_they_cost_the_same():
-    """Seen on the GPU (SmolLM2 on an H200, fa3, session 44): width 8 held at bs 8-32 through 27
+    """Seen on the GPU (SmolLM2 on an H200, fa3, 2026-11-27): width 8 held at bs 8-32 through 27
     confirm steps of width 16, whose least read 15% cheaper than width 8's: each confirm set one
     sample of width 16 against the least of width 8's last eight, and on a host whose steps swing
     by tens of percent one sample seldom beats the least of eight. Here width 8 is first really
@@ -387,7 +387,7 @@ def test_full_width_takes_back_a_bucket_held_narrower_once_they_cost_the_same():
 
 
 def test_a_new_bucket_keeps_full_width_where_every_width_costs_the_same():
-    """Seen on the GPU (SmolLM2 on an H200, fa3, session 44, mt-bench): on drafts that commit about
+    """Seen on the GPU (SmolLM2 on an H200, fa3, 2026-11-27, mt-bench): on drafts that commit about
     2.2 tokens a step, width 8 expects 1-5% fewer tokens than width 16, so on a host whose steps
     swing by tens of percent it read best on its few first tries at half the buckets, and was held
     until width 16 won a confirm: 16-22% of the first level's steps. A bucket's first choice is
@@ -461,7 +461,7 @@ def test_each_chosen_step_names_the_rule_that_chose_it():
 
 
 def test_another_width_replaces_the_held_one_only_on_a_sample_timed_beside_it():
-    """Seen on the GPU (SmolLM2, fa3, session 31): width 16 read slow for a stretch and width 8,
+    """Seen on the GPU (SmolLM2, fa3, 2026-11-26): width 16 read slow for a stretch and width 8,
     timed long before in a quiet one, held for hundreds of steps at c1. A width other than the held
     one is timed again first (a ``confirm`` step); a stretch that slowed width 16 slows it too."""
     def run(policy, rng, steps, cost):
@@ -616,7 +616,7 @@ def test_draft_health_holds_only_the_batchs_requests_when_accept_lengths_arrive_
 def test_a_refresh_step_at_a_new_bucket_whose_held_width_is_untimed_times_it_and_does_not_fail():
     """A batch that jumps to a new bucket where full width is bounded out of its first tries holds
     full width untimed (:meth:`WidthPolicy._best`); a refresh step there has no held cost to set a
-    bar from. It raised TypeError (16e20b5, found in session 51): the server would have stopped."""
+    bar from. It raised TypeError (16e20b5, found on 2026-11-28): the server would have stopped."""
     rng = random.Random(8)
     policy, late = WidthPolicy(16, (16, 8, 4, 1)), None
     for step in range(3200):
@@ -815,7 +815,7 @@ def test_requests_in_fallback_teach_what_their_drafted_steps_commit():
     """Every verify with drafts of a request in fallback (a retry) moves ``fallen_tokens`` toward
     1 + its accepted drafts: from 1 (drafts that keep failing) up where retries accept, which keeps a
     host-bound pair drafting where a plain step saves less than the drafts would add (SmolLM2
-    mt-bench at c1 on an H200, session 45: 3-9% of the steps plain, on a width 1 read 12-15%
+    mt-bench at c1 on an H200, 2026-11-28: 3-9% of the steps plain, on a width 1 read 12-15%
     cheaper than width 16)."""
     health = DraftHealth(misses=2, retry_every=2)
     for _ in range(2):
@@ -835,7 +835,7 @@ def serve_one_at_a_time(policy, health, seed, easy=0.7, hard=0.2, requests=12, t
     """Tokens per second of requests served one at a time through the worker's own calls
     (``step_widths``, ``learn_step``; ``policy`` None: fixed 16). Each request's drafts pass
     through easy and hard stretches; a step costs the same at every drafting width and 15% less
-    at width 1, and the first verify after plain steps 1 ms more (session 31), noisy by 10%."""
+    at width 1, and the first verify after plain steps 1 ms more (2026-11-26), noisy by 10%."""
     rng, tokens_out, seconds, prev = random.Random(seed), 0, 0.0, None
     for i in range(requests):
         p, left = (easy if rng.random() < 0.7 else hard), tokens
@@ -859,7 +859,7 @@ def serve_one_at_a_time(policy, health, seed, easy=0.7, hard=0.2, requests=12, t
 def test_requests_in_fallback_keep_drafting_where_a_plain_step_saves_less_than_their_drafts_add():
     """A request falls back after four verifies without an accepted draft, though its drafts, in a
     hard stretch, are still accepted now and then; a plain step saves 15% (SmolLM2 mt-bench at c1
-    on an H200, session 45: 3-9% of the steps plain). Judged by the tokens the requests' retries
+    on an H200, 2026-11-28: 3-9% of the steps plain). Judged by the tokens the requests' retries
     commit, the default serves them at 1.00x fixed 16 over ten seeds; judged by cost alone, 0.91x
     (0.83-1.00 a seed: the two see different draws)."""
     ratios = [serve_one_at_a_time(WidthPolicy(16), DraftHealth(), seed) / serve_one_at_a_time(None, None, seed)
@@ -868,7 +868,7 @@ def test_requests_in_fallback_keep_drafting_where_a_plain_step_saves_less_than_t
 
 
 def test_a_bucket_probes_less_often_while_its_held_width_keeps_winning():
-    """Seen on the GPU (SmolLM2 on an H200, fa3, session 45, mt-bench): width 8 expects about 1.5%
+    """Seen on the GPU (SmolLM2 on an H200, fa3, 2026-11-28, mt-bench): width 8 expects about 1.5%
     fewer tokens than width 16 and its steps cost about the same, so it could always win within the
     refresh margin and was probed every 16 steps: refresh and confirm steps of width 8, none of them
     winning, were 4-7% of a level's steps. A bucket's probes now come at most every ``probe_gap``
@@ -946,7 +946,7 @@ def test_acceptance_counts_each_request_drafts_judged_and_accepted():
 
 
 def test_a_new_bucket_times_full_width_before_a_narrower_width_is_held_there():
-    """Seen on the GPU (SmolLM2 on an H200, fa3, gsm8k c32, session 50): full width, timed at bucket
+    """Seen on the GPU (SmolLM2 on an H200, fa3, gsm8k c32, 2026-11-28): full width, timed at bucket
     16 in a slow stretch, was bounded below what width 8 read on its first tries at bucket 32, so
     it got no first try there; width 8, the only width measured, then became the bucket's choice
     without a step of full width beside it, and was held for 590 steps, until deep refreshes had
@@ -994,12 +994,12 @@ def runs_asleep(steps):
 
 
 def test_a_bucket_that_keeps_full_width_sleeps_and_wakes_to_decide_again():
-    """SmolLM2 on an H200 (session 53): width 16 in 98-99.7% of the steps at c1-c64, and the policy's
+    """SmolLM2 on an H200 (2026-11-29): width 16 in 98-99.7% of the steps at c1-c64, and the policy's
     calls 1.5-1.9% of fixed 16's host time a step, the whole margin of the 0.98 goal. A bucket that
     has held full width ``AWAKE_STEPS`` steps sleeps ``SLEEP_STEPS``: full width, counted as
     ``asleep``, not timed and no request's fallback checked; then it decides again, sleeps again
     only after ``AWAKE_STEPS`` steps awake, and twice as long as before, up to ``LONGEST_SLEEP``
-    (session 54: the awake steps were nearly all of the policy's 0.6-0.8% left)."""
+    (2026-11-29: the awake steps were nearly all of the policy's 0.6-0.8% left)."""
     rng = random.Random(5)
     policy, health = WidthPolicy(16), DraftHealth()
     cost = lambda w, b: 2.5e-3 * (0.9 if w == 1 else 1.0) * (1 + 0.1 * rng.random())  # noqa: E731

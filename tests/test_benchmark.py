@@ -245,7 +245,7 @@ def test_waves_repeat_prompts_until_each_level_has_enough_requests():
 
 def test_warm_up_and_compile_waves_fill_the_level_even_with_fewer_prompts(monkeypatch):
     # With 8 rig prompts a c32 warm-up of payloads[:32] sent 8 requests: the batch first reached
-    # 32 in a timed wave (the plugin's slow first c32 waves of sessions 15-21).
+    # 32 in a timed wave (the plugin's slow first c32 waves of 2026-11-24 to 2026-11-25).
     sent = []
     monkeypatch.setattr(sweep, "run_requests", lambda url, payloads, conc, desc="": sent.append((len(payloads), conc)))
     monkeypatch.setattr(sweep, "flush_cache", lambda url: None)
@@ -734,11 +734,13 @@ def test_every_option_of_every_command_is_documented(module, monkeypatch, capsys
 
 def test_scripts_and_lab_runbooks_answer_help():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tools = [[sys.executable, path] for folder in ("scripts", "lab") for path in glob.glob(os.path.join(root, folder, "*.py"))]
+    tools = [[sys.executable, path] for path in glob.glob(os.path.join(root, "scripts", "*.py"))]
+    tools += [[sys.executable, "-m", f"lab.{os.path.basename(path)[:-3]}"]  # a package: run from the root
+              for path in glob.glob(os.path.join(root, "lab", "*.py")) if not path.endswith("__init__.py")]
     tools += [["bash", path] for folder in ("scripts", "lab") for path in glob.glob(os.path.join(root, folder, "*.sh"))]
     assert len(tools) >= 15
     for tool in tools:
-        done = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120, cwd=root)
         assert done.returncode == 0 and done.stdout.strip(), (tool, done.stderr[-2000:])
 
 
@@ -1110,7 +1112,7 @@ def test_pinned_servers_trade_cpu_slices_wave_by_wave(tmp_path, chat_model, data
 
 
 def test_a_level_whose_requests_outgrow_the_kv_pool_is_named():
-    """Session 29: 64 rig requests of 128 + 256 tokens need 24,576 slots; a DFLASH server with a 4 GiB
+    """Seen on 2026-11-26: 64 rig requests of 128 + 256 tokens need 24,576 slots; a DFLASH server with a 4 GiB
     pool held 23,380, so one wave's last requests waited seconds for their first token."""
     from sglang_dflash.bench.client import RequestResult
     from sglang_dflash.bench.sweep import kv_pool_short

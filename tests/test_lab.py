@@ -1,5 +1,6 @@
 """The lab's reference-server shim: SGLang's penalizers in one order, whatever the process."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -9,6 +10,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIM = os.path.join(ROOT, "lab", "ordered-penalizers")
+
+
+def load_lab(name: str):
+    """A lab module, imported as the package it is (``python -m pytest`` runs from the checkout's root)."""
+    return importlib.import_module(f"lab.{name}")
 
 PROBE = """
 import sys
@@ -46,14 +52,7 @@ def test_the_reference_server_applies_repetition_after_the_additive_penalties(tm
 
 
 def load_matrix():
-    import importlib.util
-    if os.path.join(ROOT, "lab") not in sys.path:  # as when run as a script: the lab's own modules import
-        sys.path.insert(0, os.path.join(ROOT, "lab"))
-    spec = importlib.util.spec_from_file_location("request_params_matrix",
-                                                  os.path.join(ROOT, "lab", "request_params_matrix.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_lab("request_params_matrix")
 
 
 def test_the_matrix_measures_every_row_before_the_ones_that_crash_servers():
@@ -82,13 +81,7 @@ def test_the_matrix_does_not_count_a_row_the_reference_failed():
 
 
 def load_lossless_pair():
-    import importlib.util
-    if os.path.join(ROOT, "lab") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "lab"))
-    spec = importlib.util.spec_from_file_location("lossless_pair", os.path.join(ROOT, "lab", "lossless_pair.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_lab("lossless_pair")
 
 
 class CharTokenizer:
@@ -182,12 +175,7 @@ def test_the_lossless_comparison_counts_greedy_and_stop_mismatches_apart():
 
 
 def test_the_pooled_ratio_plot_reads_each_level_with_its_interval(tmp_path):
-    import importlib.util
-    import json
-
-    spec = importlib.util.spec_from_file_location("plot_pooled", os.path.join(ROOT, "lab", "plot_pooled.py"))
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    plot = load_lab("plot_pooled")
     pooled = tmp_path / "pooled_waves.json"
     pooled.write_text(json.dumps({"pooled": {  # written by sglang_dflash.bench.pool; c16 before c4 there
         "c16": {"geomean": 0.95, "ci95": [0.9, 1.1]}, "c4": {"geomean": 1.0, "ci95": [0.8, 1.05]}}}))
@@ -200,12 +188,6 @@ def test_the_pooled_ratio_plot_reads_each_level_with_its_interval(tmp_path):
     assert out.stat().st_size > 1000
 
 
-def load_lab(name: str):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "lab", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def sweep_row(impl, dataset, conc, waves, steps, asleep, used16, fallback, host_calls):

@@ -294,8 +294,10 @@ def test_sglangs_own_qwen3_5_classes_load_every_parameter_from_the_rigs_names():
     pytest.importorskip("sglang.srt.models.qwen3_5")
     import subprocess
 
-    script = os.path.join(os.path.dirname(__file__), "sglang_rig_load.py")
-    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "sglang_rig_load.py")], capture_output=True,
+                          text=True, timeout=600, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])

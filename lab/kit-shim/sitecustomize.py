@@ -13,6 +13,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 _DUAL_GEMM = "sglang.kernels.ops.gemm.cutedsl_dual_gemm"
 
@@ -54,10 +55,12 @@ class _NoCutlassDualGemm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, _NoCutlassDualGemm())
 
-# This file shadows any sitecustomize of the image: run that one too.
-_here = os.path.dirname(os.path.abspath(__file__))
+# This file shadows any sitecustomize of the image: run that one too, looking past every shim of the
+# chain (lab/ordered-penalizers records itself there too).
+_chain = sys.modules.setdefault("_sitecustomize_chain", types.ModuleType("_sitecustomize_chain"))
+_chain.seen = getattr(_chain, "seen", set()) | {os.path.dirname(os.path.abspath(__file__))}
 _next = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") not in _chain.seen])
 if _next is not None and _next.origin and os.path.isfile(_next.origin):
     _spec = importlib.util.spec_from_file_location("_image_sitecustomize", _next.origin)
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))

@@ -16,6 +16,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 _ORCHESTRATOR = "sglang.srt.sampling.penaltylib.orchestrator"
 _ORDER = ("BatchedFrequencyPenalizer", "BatchedPresencePenalizer", "BatchedMinNewTokensPenalizer",
@@ -64,11 +65,13 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, _PatchOnImport())
 
-# Chain to the next sitecustomize on the path (the kit's shim, which chains on to the image's), with
-# this folder off the path first so that one cannot find this file again.
-_here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-_next = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
+# Chain to the next sitecustomize on the path (the kit's shim, which chains on to the image's). Every
+# shim of the chain records its folder in _sitecustomize_chain.seen and looks only past the folders
+# seen, so none finds this file again (sys.path itself is left as it is).
+_chain = sys.modules.setdefault("_sitecustomize_chain", types.ModuleType("_sitecustomize_chain"))
+_chain.seen = getattr(_chain, "seen", set()) | {os.path.dirname(os.path.abspath(__file__))}
+_next = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") not in _chain.seen])
 if _next is not None and _next.origin and os.path.isfile(_next.origin):
     _spec = importlib.util.spec_from_file_location("_next_sitecustomize", _next.origin)
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))

@@ -37,7 +37,7 @@ IMPLEMENTATIONS = {
                                                               "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
     "adaptive-cycle8": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                 "SGLANG_DFLASH_WIDTH_POLICY": "cycle:8"}),
-    # Where the default's longer steps at full width come from (session 50: 1-5% a step at c32 on
+    # Where the default's longer steps at full width come from (2026-11-28: 1-5% a step at c32 on
     # SmolLM2): every width's graphs and the step timing, but a policy that always picks full width
     # and no fallback; and the default without its per-request fallback.
     "adaptive-hold16": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
@@ -46,7 +46,7 @@ IMPLEMENTATIONS = {
     "adaptive-nofallback": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                     "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                     "SGLANG_DFLASH_FALLBACK": "off"}),
-    # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, session 53).
+    # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, 2026-11-29).
     "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
@@ -66,7 +66,7 @@ IMPLEMENTATIONS = {
                                 {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_BLOCK_ATTENTION": "0"}),
     # The plugin with SGLang setting up its attention metadata (FlashInfer's plans, Triton's kv
     # indices) before every replay of the DFLASH passes the block kernel serves (A/B of
-    # SGLANG_DFLASH_SKIP_UNUSED_PLANS's default); "plugin-flashinfer-plans" is its name in session 35.
+    # SGLANG_DFLASH_SKIP_UNUSED_PLANS's default); "plugin-flashinfer-plans" was its name on 2026-11-26.
     "plugin-replay-setup": (["--speculative-algorithm", "DFLASH"],
                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_SKIP_UNUSED_PLANS": "0"}),
     # The plugin's Triton passes through SGLang's forward_extend, which copies each layer's K/V for a

@@ -114,7 +114,7 @@ def paired_ratio_stats(ratios: list, resamples: int = 4000, seed: int = 0) -> di
     which are then resampled whole. Pinned servers trade CPU slices and places in the order wave
     by wave, and where one slice or place is faster a wave's ratio swings with it, in turn: on the
     H200 host a pair's ratios alternate (lag-1 autocorrelation -0.3 to -0.6 over 100-300 waves,
-    session 49), and resampling single waves would count that swing as noise a cycle cancels.
+    2026-11-28), and resampling single waves would count that swing as noise a cycle cancels.
     With fewer than ``MIN_CYCLES`` cycles the waves are resampled one by one."""
     cycles = [[math.log(r) for r in (c if isinstance(c, (list, tuple)) else (c,)) if r > 0] for c in ratios]
     cycles = [c for c in cycles if c]
