@@ -292,6 +292,9 @@ def test_sglangs_own_qwen3_5_classes_load_every_parameter_from_the_rigs_names():
     parameter from the names and shapes the rig writes (tests/sglang_rig_load.py, a process of
     its own: it opens a one-rank process group)."""
     pytest.importorskip("sglang.srt.models.qwen3_5")
+    # 0.5.17 ships neither the one-rank process group helper nor language_model_only (its multimodal
+    # class would build a vision tower the rig leaves out): the check runs where both exist.
+    pytest.importorskip("sglang.test.layer_ut_utils")
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
