@@ -81,14 +81,15 @@ class FakeServer:
         return self.log
 
 
-def test_a_crash_is_recorded_with_its_cause_and_the_server_restarted(monkeypatch):
+def test_a_crash_is_recorded_with_its_cause_and_the_server_restarted_only_for_a_request_to_come(monkeypatch):
     state = {"up": True, "restarts": 0}
-    answers = {"empty text": (0, "refused connection"), "n 0": (400, {"error": {"message": "n must be > 0"}})}
+    answers = {"n 0": (400, {"error": {"message": "n must be > 0"}})}
 
     def post(url, body, timeout=300):
         key = next(k for k, c in CASES.items() if c.body == body)
-        if key == "empty text":
+        if key in ("top_k 0", "empty text"):
             state["up"] = False
+            return 0, "refused connection"
         return answers.get(key, (200, {"text": "ok", "meta_info": {"completion_tokens": 1}}))
 
     def restart():
@@ -102,11 +103,12 @@ def test_a_crash_is_recorded_with_its_cause_and_the_server_restarted(monkeypatch
     out = odd_inputs.run_cases(FakeServer(log), CASES, lambda url: state["up"], restart,
                                only=["empty text", "n 0", "top_k 0"], out=kept,
                                recorded=lambda: seen.append((len(kept), state["restarts"])))
-    assert out is kept and set(out) == {"empty text", "n 0", "top_k 0"} and state["restarts"] == 1
+    assert list(out) == ["top_k 0", "n 0", "empty text"]  # the requests that ended servers go last
+    assert out is kept and state["restarts"] == 1  # none after the last request
     assert seen == [(1, 0), (2, 1), (3, 1)]  # each outcome kept before the restart that follows it
-    assert out["empty text"]["outcome"] == "crashed"
+    assert out["top_k 0"]["outcome"] == out["empty text"]["outcome"] == "crashed"
     assert out["empty text"]["cause"].startswith("RuntimeError: cannot reshape tensor of 0 elements")
-    assert out["n 0"]["outcome"] == "refused" and out["top_k 0"]["outcome"] == "served"
+    assert out["n 0"]["outcome"] == "refused"
 
 
 def test_error_messages_are_read_from_every_shape_sglang_answers_with():
@@ -200,3 +202,16 @@ def test_the_reliability_evidence_reads_into_the_summary_form(tmp_path):
     empty = subprocess.run([sys.executable, os.path.join(root, "lab", "reliability_summary.py"), str(tmp_path / "x")],
                            capture_output=True, text=True)
     assert empty.returncode == 2 and "no such folder" in empty.stderr
+
+    # A later call's servers add to the earlier ones: the built-in's odd run, the hybrid's load.
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / "reliability-0.5.23-odd.json").write_text(json.dumps({"by_impl": {"builtin": {"outcomes": {
+        "empty text": {"outcome": "crashed", "status": 0, "cause": "RuntimeError: cannot reshape"}}}}}))
+    (later / "reliability-0.5.23-load.json").write_text(json.dumps({**load, "pairs": {"qwen3.5-hybrid": load["pairs"]["smollm2"]}}))
+    out = subprocess.run([sys.executable, os.path.join(root, "lab", "reliability_summary.py"), str(tmp_path), str(later)],
+                         capture_output=True, text=True, check=True)
+    rel = json.loads(out.stdout)["0.5.23"]
+    assert rel["odd"]["empty text"] == {"ar": "crashed", "plugin": "refused", "builtin": "crashed"}
+    assert rel["empty_prompt_cause"].count("ar: crashed") == 1 and "builtin: crashed" in rel["empty_prompt_cause"]
+    assert set(rel["load"]) == {"smollm2", "qwen3.5-hybrid"} and len(rel["evidence"]) == 5
