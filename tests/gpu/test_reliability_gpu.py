@@ -186,24 +186,24 @@ def idle_counters(url):
 
 
 def test_reliability_load_with_cancels_leaves_the_servers_idle():
-    """Servers start one at a time, then take their loads at once."""
+    """Servers start one at a time; each takes its load as soon as it is up (a server that serves
+    does not move memory under a neighbour's start as a starting one does)."""
     servers = {pair: Server(load_server(pair), log_path=os.path.join(RESULTS, f"server-load-{pair}.log"),
                             timeout_s=600) for pair in LOAD_PAIRS}
-    reports = {}
+    reports, start, threads = {}, {}, []
+
+    def load(pair):
+        reports[pair] = run_load(servers[pair].url, concurrency=64, seconds=LOAD_SECONDS,
+                                 abort_fraction=CANCEL_SHARE, mixed_params=True)
+
     try:
-        for server in servers.values():  # one at a time, as everywhere on 0.5.23
-            server.start()
+        for pair, s in servers.items():
+            s.start()
+            start[pair] = {"memory": s.memory(), "idle": idle_counters(s.url)}
+            threads.append(threading.Thread(target=load, args=(pair,)))
+            threads[-1].start()
         # lab/gpu_reliability.sh starts other servers beside this load once these are up
         open(os.path.join(RESULTS, "load-servers-up"), "w").close()
-        start = {pair: {"memory": s.memory(), "idle": idle_counters(s.url)} for pair, s in servers.items()}
-
-        def load(pair):
-            reports[pair] = run_load(servers[pair].url, concurrency=64, seconds=LOAD_SECONDS,
-                                     abort_fraction=CANCEL_SHARE, mixed_params=True)
-
-        threads = [threading.Thread(target=load, args=(pair,)) for pair in servers]
-        for t in threads:
-            t.start()
         for t in threads:
             t.join()
         for pair, s in servers.items():
