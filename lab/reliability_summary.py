@@ -29,16 +29,15 @@ def odd_table(report: dict) -> dict:
     return table
 
 
-def empty_prompt_cause(report: dict) -> str:
-    """What each server did with the empty text, and what ended a server that died of it."""
-    parts = []
+def empty_prompt_causes(report: dict) -> dict:
+    """{impl: what its server did with the empty text, and what ended it if it died of it}."""
+    causes = {}
     for impl, got in report["by_impl"].items():
         o = got.get("outcomes", {}).get("empty text")
-        if o is None:
-            continue
-        why = o.get("cause") or o.get("message") or ""
-        parts.append(f"{impl}: {o['outcome']}" + (f" ({why})" if why else ""))
-    return "; ".join(parts)
+        if o is not None:
+            why = o.get("cause") or o.get("message") or ""
+            causes[impl] = f"{impl}: {o['outcome']}" + (f" ({why})" if why else "")
+    return causes
 
 
 def load_table(report: dict) -> dict:
@@ -59,6 +58,7 @@ def load_table(report: dict) -> dict:
 
 def summarize(dirs: list[str], root: str = ".") -> dict:
     summary: dict = {}
+    causes: dict = {}
     for d in dirs:
         for path in sorted(glob.glob(os.path.join(d, "reliability-*.json"))):
             m = FILE.search(os.path.basename(path))
@@ -67,14 +67,17 @@ def summarize(dirs: list[str], root: str = ".") -> dict:
             with open(path) as f:
                 report = json.load(f)
             rel = summary.setdefault(m["release"], {"evidence": []})
+            # A later run's servers (an impl, a pair) add to the earlier ones or replace theirs.
             if m["part"] == "odd":
-                rel["odd"] = odd_table(report)
-                rel["empty_prompt_cause"] = empty_prompt_cause(report)
+                for case, by_impl in odd_table(report).items():
+                    rel.setdefault("odd", {}).setdefault(case, {}).update(by_impl)
+                causes.setdefault(m["release"], {}).update(empty_prompt_causes(report))
+                rel["empty_prompt_cause"] = "; ".join(causes[m["release"]].values())
             elif m["part"] == "openai":
                 rel["openai_client"] = {**report["compare"], **{
                     f"{case} ({impl})": v for impl, checks in report["self"].items() for case, v in checks.items()}}
             else:
-                rel["load"] = load_table(report)
+                rel.setdefault("load", {}).update(load_table(report))
             rel["evidence"].append(os.path.relpath(path, root))
     return summary
 
