@@ -30,10 +30,11 @@ from test_server_gpu import RESULTS
 from sglang_dflash import compat
 from sglang_dflash.bench import odd_inputs, openai_client
 from sglang_dflash.bench.client import kv_loads, server_info
-from sglang_dflash.bench.server import Server, ServerError, ServerSpec
+from sglang_dflash.bench.server import Server, ServerError, ServerSpec, exit_on_sigterm, prefill_graph_flags
 from sglang_dflash.bench.stress import alive, run_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.reliability]
+exit_on_sigterm()  # a call's `timeout` ends the run through the finally blocks that stop the servers
 RELEASE = compat.running().version
 CONTEXT = 4096
 ODD_IMPLS = os.environ.get("DFLASH_ODD_IMPLS", "ar,builtin,plugin").split(",")
@@ -156,7 +157,9 @@ def test_reliability_empty_prompt_is_refused_and_the_server_stays_up():
 
 def test_reliability_openai_client_matches_plain_decoding():
     target, draft = real_pair()
-    flags = USER_FLAGS + ["--dtype", "float32", "--attention-backend", "triton", "--cuda-graph-max-bs-decode", "8"]
+    # Prefills run eagerly: capturing SGLang's prefill graphs in float32 compiles for minutes a server.
+    flags = USER_FLAGS + ["--dtype", "float32", "--attention-backend", "triton", "--cuda-graph-max-bs-decode", "8",
+                          *prefill_graph_flags("off")]
     records = {}
     for impl in ("ar", "plugin"):
         spec = ServerSpec(impl, target, draft, None, flags, dict(FP32_ENV))
@@ -190,29 +193,32 @@ def test_reliability_load_with_cancels_leaves_the_servers_idle():
     does not move memory under a neighbour's start as a starting one does)."""
     servers = {pair: Server(load_server(pair), log_path=os.path.join(RESULTS, f"server-load-{pair}.log"),
                             timeout_s=600) for pair in LOAD_PAIRS}
-    reports, start, threads = {}, {}, []
+    reports, threads, saving = {}, [], threading.Lock()
 
-    def load(pair):
-        reports[pair] = run_load(servers[pair].url, concurrency=64, seconds=LOAD_SECONDS,
-                                 abort_fraction=CANCEL_SHARE, mixed_params=True)
+    def load(pair, start):
+        s = servers[pair]
+        report = run_load(s.url, concurrency=64, seconds=LOAD_SECONDS, abort_fraction=CANCEL_SHARE,
+                          mixed_params=True)
+        report.update(start=start, end={"memory": s.memory(), "idle": idle_counters(s.url)},
+                      alive_after=alive(s.url), dflash=server_info(s.url).get("dflash"))
+        with saving:  # each pair's report as it ends: a call cut short keeps the pairs that finished
+            reports[pair] = report
+            save("load", {"seconds": LOAD_SECONDS, "cancel_share": CANCEL_SHARE, "pairs": reports})
 
     try:
         for pair, s in servers.items():
             s.start()
-            start[pair] = {"memory": s.memory(), "idle": idle_counters(s.url)}
-            threads.append(threading.Thread(target=load, args=(pair,)))
+            start = {"memory": s.memory(), "idle": idle_counters(s.url)}
+            threads.append(threading.Thread(target=load, args=(pair, start), daemon=True))
             threads[-1].start()
         # lab/gpu_reliability.sh starts other servers beside this load once these are up
         open(os.path.join(RESULTS, "load-servers-up"), "w").close()
         for t in threads:
             t.join()
-        for pair, s in servers.items():
-            reports[pair].update(start=start[pair], end={"memory": s.memory(), "idle": idle_counters(s.url)},
-                                 alive_after=alive(s.url), dflash=server_info(s.url).get("dflash"))
     finally:
         for s in servers.values():
             s.stop()
-        save("load", {"seconds": LOAD_SECONDS, "cancel_share": CANCEL_SHARE, "pairs": reports})
+    assert set(reports) == set(servers), ("a load ended without its report", sorted(reports))
     for pair, r in reports.items():
         assert r["alive_after"] and r["errors"] == 0, (pair, r["errors_sample"])
         assert r["aborted"] >= 0.15 * r["requests"], (pair, r["aborted"], r["requests"])
