@@ -13,6 +13,11 @@
 #       the expression beside it: one call instead of two. First starts on a fresh machine take
 #       3-4 minutes a server (Triton compiles, graph capture), later ones about a minute, and plain
 #       decoding restarts after each of the four requests that end it (about a minute each).
+# What fits one call (0.5.23, H200, 2026-12-02): plain decoding's odd requests on a fresh machine
+# (7 minutes); the plugin's and the built-in's beside one 300 s load (the SmolLM2 load ends, the
+# hybrid's, which starts 2.5 minutes later, does not: give each load pair its own call or a shorter
+# DFLASH_LOAD_SECONDS); openai alone (two float32 servers, prefills eager).
+# DFLASH_ODD_IMPLS and DFLASH_LOAD_PAIRS split the group across calls; reliability_summary.py joins them.
 # SGLANG_VERSION picks the release (default 0.5.23). Evidence and server logs go to $OUT.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
@@ -27,7 +32,8 @@ gpu_model /tmp/smollm2 || { echo "gpu_reliability: SmolLM2 parts incomplete"; ex
 [ -f .smol-pdraft/model.safetensors ] && mkdir -p /tmp/smol-draft && cp -n .smol-pdraft/* /tmp/smol-draft/
 [ -f /tmp/smol-draft/model.safetensors ] || { echo "gpu_reliability: carry .smol-pdraft" >&2; exit 2; }
 # Servers of an earlier call that was cut off run in sessions of their own: clear the GPU first.
-pkill -f sglang.launch_server && sleep 5
+# Anchored on the interpreter, so a calling shell whose command line names the module survives.
+pkill -f '^[^ ]*python[^ ]* -m sglang[.]launch_server' && sleep 5
 export DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smol-draft
 results=${OUT:-$PWD/gpu-results}
 if [ "$1" = --beside-load ]; then
