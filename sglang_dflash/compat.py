@@ -410,6 +410,7 @@ class SGLangRelease:
             Symbol("sglang.srt.runtime_context", "get_parallel"),
             Symbol("sglang.srt.runtime_context", "get_exec"),
             Symbol("sglang.srt.configs.hybrid_arch", "mambaish_config"),
+            Symbol("sglang.srt.configs.hybrid_arch", "hybrid_gdn_config"),
             Symbol("sglang.srt.distributed", "get_tp_group"),
             Symbol("sglang.srt.distributed", "tensor_model_parallel_all_gather"),
             Symbol("sglang.srt.layers.sampler", "top_k_top_p_min_p_sampling_from_probs_torch",
@@ -477,6 +478,11 @@ class SGLangRelease:
                    "HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
                    ("last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track", "model",
                     "req_pool_indices")),
+            # adaptive widths on a hybrid target: which kernel verifies its linear layers
+            Symbol("sglang.srt.layers.attention.hybrid_linear_attn_backend", "HybridLinearAttnBackend.full_attn_backend"),
+            Symbol("sglang.srt.layers.attention.hybrid_linear_attn_backend", "HybridLinearAttnBackend.linear_attn_backend"),
+            Symbol("sglang.srt.layers.attention.linear.gdn_backend", "GDNAttnBackend.kernel_dispatcher"),
+            Symbol("sglang.srt.layers.attention.linear.gdn_backend", "GDNKernelDispatcher.verify_kernel_is_flashinfer"),
         ]
         if self.has("declared_resolution"):
             syms += [

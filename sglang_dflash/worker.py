@@ -19,6 +19,8 @@ and one pending token (the previous step's bonus):
 Hybrid targets (gated delta net / mamba layers): the verify leaves the recurrent state of every
 block step aside; :meth:`DFlashWorker.commit_recurrent_state` keeps the last committed step's and,
 with the radix cache's ``extra_buffer`` strategy, snapshots the step at a crossed track boundary.
+A narrower verify writes its steps into the same block-sized scratch, and is committed through its
+own width's backend. Width 1 stays a 1-token verify there: a DECODE would advance the state in place.
 
 Verify width (adaptive by default; ``SGLANG_DFLASH_WIDTHS``): a step may verify only the first w of the
 B candidates (w = 1: the bonus alone, no draft pass), on a target attention backend and verify
@@ -50,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.configs.hybrid_arch import mambaish_config
+from sglang.srt.configs.hybrid_arch import hybrid_gdn_config, mambaish_config
 from sglang.srt.layers.sampler import sampling_from_probs_torch, top_k_top_p_min_p_sampling_from_probs_torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.cuda_graph_config import Backend
@@ -151,6 +153,7 @@ class DFlashWorker(BaseSpecWorker):
         self.device = target_worker.device
         target_config = self.model_runner.model_config
         self.hybrid = mambaish_config(target_config) is not None
+        self.hybrid_gdn = hybrid_gdn_config(target_config) is not None  # Qwen3.5/3.6, Qwen3-Next
         bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps)
         self._draft_worker = bundle.draft_worker
         self.draft_model_runner = bundle.draft_model_runner
@@ -231,11 +234,25 @@ class DFlashWorker(BaseSpecWorker):
 
     def _adaptive_width_unserved(self, server_args) -> Optional[str]:
         """Why a step cannot choose its width here, or None: each rank must be free to choose alone,
-        and a hybrid target's recurrent state is committed at the full block only."""
+        and a hybrid target must commit its recurrent state the way a gated delta net does."""
         if get_parallel().tp_size > 1 or self.release.dp_attention(server_args):
             return "needs --tp-size 1 without DP attention: each rank would time its steps and choose its own width"
         if self.hybrid:
-            return "not with a hybrid (recurrent) target yet"
+            return self._hybrid_widths_unserved(server_args)
+        return None
+
+    def _hybrid_widths_unserved(self, server_args) -> Optional[str]:
+        """A gated-delta-net verify of w < B tokens writes its per-token states into the B-sized
+        scratch with the buffer's own pitch, and the commit copies step ``commit_len - 1 < w``
+        (docs/design/hybrid-adaptive-width.md). Other recurrent layers commit another way, and
+        SGLang's decode ring folds the state lazily. Until switching widths has been measured
+        lossless on a hybrid, the widths must be named to run there."""
+        if not self.hybrid_gdn:
+            return "on hybrid targets only with gated-delta-net layers (Qwen3.5, Qwen3.6, Qwen3-Next)"
+        if getattr(self.release.resolving(server_args), "enable_linear_replayssm", False):
+            return "not with --enable-linear-replayssm (its decode ring folds the recurrent state lazily)"
+        if widths_by_default():
+            return f"on hybrid targets only where {WIDTHS_ENV} names the widths, until switching is measured lossless there"
         return None
 
     def _fix_the_block(self, why: str) -> None:
@@ -311,6 +328,8 @@ class DFlashWorker(BaseSpecWorker):
                 "--model-path", f"hybrid target whose attention backend "
                 f"({type(self.model_runner.attn_backend).__name__}) cannot commit a verified recurrent state"
             )
+        if self.hybrid and self.width_policy is not None and flashinfer_linear_verify(self.model_runner.attn_backend):
+            self._fix_the_block("not with FlashInfer's gated-delta-net verify: untested below the block's width")
         if self.ragged:  # before the target captures its verify graphs
             self.release.enable_ragged_verify(self.model_runner.attn_backend)
         self._draft_worker.init_attention_backends()
@@ -336,7 +355,7 @@ class DFlashWorker(BaseSpecWorker):
         if self.head_in_graph:
             self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
-        fa3 = "FlashAttention" in type(self.model_runner.attn_backend).__name__
+        fa3 = "FlashAttention" in type(full_attention(self.model_runner.attn_backend)).__name__
         if self.width_policy is not None and not self.ragged and not capture and fa3:
             # FA3's eager verify assumes the width its backend was built with.
             self._fix_the_block("needs decode CUDA graphs with the fa3 backend")
@@ -350,7 +369,9 @@ class DFlashWorker(BaseSpecWorker):
         a narrower block at all: its eager verify assumes the width it was built with."""
         mr = self.model_runner
         self.width_pairs = {self.block_size: (mr.attn_backend, mr.decode_cuda_graph_runner)}
-        self.width_one_decodes = 1 in self.widths and self.release.decodes_width_one(mr.attn_backend)
+        # A hybrid verifies one token at width 1: a DECODE advances the recurrent state in place, and
+        # the commit after every step would copy a stale snapshot over it.
+        self.width_one_decodes = 1 in self.widths and not self.hybrid and self.release.decodes_width_one(mr.attn_backend)
         self.width_pairs.update(
             self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes,
                                              on_backend=route_block_attention))
@@ -448,7 +469,7 @@ class DFlashWorker(BaseSpecWorker):
         if batch.return_logprob:
             self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, width)
         if self.hybrid:
-            self.commit_recurrent_state(batch, accepted)
+            self.commit_recurrent_state(batch, accepted, width)
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         if not context_written:
@@ -746,14 +767,17 @@ class DFlashWorker(BaseSpecWorker):
             flat = logits.view(-1, logits.shape[-1])
             apply_custom_logit_processor(flat, info, num_tokens_in_batch=logits.shape[1])
 
-    def commit_recurrent_state(self, batch, accepted: Accepted) -> None:
+    def commit_recurrent_state(self, batch, accepted: Accepted, width: int) -> None:
         """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
-        committed step's, and copy a crossed track boundary's into the radix cache's track slot."""
+        committed step's, and copy a crossed track boundary's into the radix cache's track slot.
+        Through the backend of the width that ran the verify: the state slots are read from its
+        metadata, and another width's backend still holds those of the last batch it ran."""
         steps_to_track = None
         if batch.mamba_track_indices is not None:
             interval = self.release.mamba_track_interval(batch)
             steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, interval)
-        self.model_runner.attn_backend.update_mamba_state_after_mtp_verify(
+        backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
+        backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
             mamba_track_indices=batch.mamba_track_indices,
             mamba_steps_to_track=steps_to_track,
@@ -793,6 +817,17 @@ class DFlashWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.block_size,
             new_seq_lens=empty,
         )
+
+
+def full_attention(attn_backend):
+    """The full-attention backend of a hybrid target's wrapper, or the backend itself."""
+    return getattr(attn_backend, "full_attn_backend", attn_backend)
+
+
+def flashinfer_linear_verify(attn_backend) -> bool:
+    """Whether a hybrid target's linear layers verify on FlashInfer's kernel (else SGLang's Triton)."""
+    dispatcher = getattr(getattr(attn_backend, "linear_attn_backend", None), "kernel_dispatcher", None)
+    return bool(getattr(dispatcher, "verify_kernel_is_flashinfer", False))
 
 
 def extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:

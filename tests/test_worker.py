@@ -481,8 +481,8 @@ def test_where_adaptive_width_cannot_serve_the_default_fixes_the_block_and_a_nam
 
     monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=tp_size, tp_rank=0))
     worker = object.__new__(DFlashWorker)
-    worker.block_size, worker.widths, worker.hybrid = 16, (16, 8, 4, 2, 1), hybrid
-    worker.release = SimpleNamespace(dp_attention=lambda args: False)
+    worker.block_size, worker.widths, worker.hybrid, worker.hybrid_gdn = 16, (16, 8, 4, 2, 1), hybrid, False
+    worker.release = SimpleNamespace(dp_attention=lambda args: False, resolving=lambda args: args)
     why = DFlashWorker._adaptive_width_unserved(worker, SimpleNamespace())
     assert why is not None
     monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
@@ -956,13 +956,114 @@ def test_width_one_decodes_where_the_targets_decode_planning_takes_the_device_le
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.release, worker.block_size, worker.widths = compat.running(), 16, widths
-    worker.width_policy = SimpleNamespace()
+    worker.width_policy, worker.hybrid = SimpleNamespace(), False
     worker.model_runner = SimpleNamespace(attn_backend=type(backend, (), {})(), decode_cuda_graph_runner="g16")
     DFlashWorker._build_width_pairs(worker, capture=True)
     from sglang_dflash.block_attention_route import route_block_attention
 
     # Every narrower width's backend is offered to the block-attention route before its graphs.
     assert worker.width_one_decodes is decodes and built == [(decodes, route_block_attention)]
+    # A hybrid target verifies one token at width 1, whatever its full-attention backend: a DECODE
+    # would advance the recurrent state in place, and the commit after it copy a stale snapshot over it.
+    worker.hybrid = True
+    DFlashWorker._build_width_pairs(worker, capture=True)
+    assert worker.width_one_decodes is False and built[-1][0] is False
+
+
+GDN_SERVED = None
+
+
+@pytest.mark.parametrize("gdn, named, replay_ring, why", [
+    (True, "16,8,4,2,1", False, GDN_SERVED),
+    (True, "auto", False, GDN_SERVED),
+    (True, None, False, "names the widths"),  # by default a hybrid keeps the block until measured lossless
+    (False, "16,8,4,2,1", False, "gated-delta-net"),  # Mamba2, KDA and others commit another way
+    (True, "16,8,4,2,1", True, "--enable-linear-replayssm"),
+])
+def test_a_gated_delta_net_hybrid_switches_widths_only_where_they_are_named(monkeypatch, gdn, named, replay_ring, why):
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker
+
+    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=1, tp_rank=0))
+    if named is None:
+        monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", named)
+    worker = object.__new__(DFlashWorker)
+    worker.hybrid, worker.hybrid_gdn = True, gdn
+    worker.release = SimpleNamespace(dp_attention=lambda args: False, resolving=lambda args: args)
+    got = DFlashWorker._adaptive_width_unserved(worker, SimpleNamespace(enable_linear_replayssm=replay_ring))
+    assert got is None if why is None else why in got
+
+
+class FakeHybridBackend:
+    """A HybridLinearAttnBackend's commit: the state slots come from the batch it last ran."""
+
+    def __init__(self, name, slots, flashinfer_verify=False):
+        self.name, self.slots, self.commits = name, slots, []
+        self.full_attn_backend = type("FlashAttentionBackend", (), {})()
+        self.linear_attn_backend = SimpleNamespace(
+            kernel_dispatcher=SimpleNamespace(verify_kernel_is_flashinfer=flashinfer_verify))
+
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices,
+                                            mamba_steps_to_track, model, req_pool_indices):
+        self.commits.append((self.slots, last_correct_step_indices.tolist(),
+                             None if mamba_steps_to_track is None else mamba_steps_to_track.tolist()))
+
+
+@pytest.mark.parametrize("width, committed_by", [(4, "w4"), (16, "w16"), (2, "w2")])
+def test_the_recurrent_state_is_committed_through_the_backend_that_ran_the_verify(width, committed_by):
+    """Each width's backend keeps the state slots of the last batch it verified: the commit after a
+    verify at w must read w's, never the block's (another batch's slots: a silent corruption)."""
+    from sglang_dflash.worker import Accepted, DFlashWorker
+
+    backends = {w: FakeHybridBackend(f"w{w}", slots=f"slots of the batch w{w} ran") for w in (16, 4, 2)}
+    worker = object.__new__(DFlashWorker)
+    worker.width_pairs = {w: (b, f"graphs {w}") for w, b in backends.items()}
+    worker.model_runner = SimpleNamespace(attn_backend=backends[16], model="target")
+    worker.release = SimpleNamespace(mamba_track_interval=lambda batch: 8)
+    batch = SimpleNamespace(seq_lens=torch.tensor([7, 20]), mamba_track_indices=torch.tensor([3, 5]),
+                            req_pool_indices=torch.tensor([0, 1]))
+    commit_len = torch.tensor([min(width, 2), 1])
+    accepted = Accepted(accept_len=commit_len - 1, commit_len=commit_len, bonus=None, out_tokens=None,
+                        new_seq_lens=batch.seq_lens + commit_len)
+    DFlashWorker.commit_recurrent_state(worker, batch, accepted, width)
+    done = {name: b.commits for name, b in ((b.name, b) for b in backends.values()) if b.commits}
+    assert list(done) == [committed_by]
+    slots, last_steps, tracked = done[committed_by][0]
+    assert slots == f"slots of the batch {committed_by} ran" and last_steps == (commit_len - 1).tolist()
+    assert tracked == mamba_track_steps(batch.seq_lens, commit_len, 8).tolist()
+    # A fixed block builds no pairs: the target's own backend ran the verify.
+    worker.width_pairs = {}
+    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 16)
+    assert len(backends[16].commits) == 1 + (committed_by == "w16")
+
+
+def test_a_hybrid_whose_linear_layers_verify_on_flashinfer_keeps_the_block(monkeypatch, caplog):
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker, flashinfer_linear_verify, full_attention
+
+    triton_verify, flashinfer = FakeHybridBackend("t", None), FakeHybridBackend("f", None, flashinfer_verify=True)
+    assert not flashinfer_linear_verify(triton_verify) and flashinfer_linear_verify(flashinfer)
+    assert not flashinfer_linear_verify(type("TritonAttnBackend", (), {})())  # attention-only target
+    assert type(full_attention(flashinfer)).__name__ == "FlashAttentionBackend"
+    plain = type("TritonAttnBackend", (), {})()
+    assert full_attention(plain) is plain
+
+    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=1, tp_rank=0))
+    monkeypatch.setattr(worker_mod, "route_block_attention", lambda backend: False)
+    monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
+    for backend, widths in ((triton_verify, (16, 8, 4, 2, 1)), (flashinfer, (16,))):
+        worker = object.__new__(DFlashWorker)
+        worker.hybrid, worker.ragged, worker.block_size = True, False, 16
+        worker.widths, worker.width_policy, worker.fallback = (16, 8, 4, 2, 1), SimpleNamespace(), None
+        worker.model_runner = SimpleNamespace(attn_backend=backend)
+        worker.draft_model_runner = SimpleNamespace(attn_backend=None)
+        worker._draft_worker = SimpleNamespace(init_attention_backends=lambda: None)
+        with caplog.at_level("INFO", logger="sglang_dflash"):
+            DFlashWorker.init_attention_backends(worker)
+        assert worker.widths == widths
+    assert "FlashInfer's gated-delta-net verify" in caplog.records[-1].getMessage()
 
 
 def fallback_worker(fallback, choose):
