@@ -283,14 +283,18 @@ def server_info_hook(original, scheduler, recv_req):
 
 
 def recurrent_state_slots(scheduler):
-    """A hybrid target's recurrent-state pool, ``{"used", "size"}`` slots (None on other targets):
-    /v1/loads counts KV tokens only, and a leaked state slot fails admissions as surely."""
+    """A hybrid target's recurrent-state pool, ``{"used", "cached", "size"}`` slots (None on other
+    targets): /v1/loads counts KV tokens only, and a leaked state slot fails admissions as surely.
+    ``cached``: states the radix cache keeps for prefixes and may evict; ``used``: the rest of the
+    slots taken, which requests hold (0 on an idle server)."""
     pool = getattr(scheduler, "req_to_token_pool", None)
     allocator = getattr(pool, "mamba_allocator", None)
     size = getattr(allocator, "size", None)
     if allocator is None or not isinstance(size, int):
         return None
-    return {"used": size - int(allocator.available_size()), "size": size}
+    evictable = getattr(getattr(scheduler, "tree_cache", None), "mamba_evictable_size", None)
+    cached = int(evictable()) if callable(evictable) else 0
+    return {"used": size - int(allocator.available_size()) - cached, "cached": cached, "size": size}
 
 
 def refuse_unrunnable_prompt_hook(original, tokenizer_manager, obj, input_ids, *args, **kwargs):

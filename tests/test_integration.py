@@ -647,3 +647,15 @@ def test_a_server_the_builtin_serves_keeps_sglangs_prompt_checks(tmp_path):
     """A PD-disaggregated DFLASH server runs the built-in: the plugin changes nothing there."""
     tm = tokenizer_manager(tmp_path, disaggregation_mode="prefill")
     integration.refuse_unrunnable_prompt_hook(lambda *a: None, tm, SimpleNamespace(session_params=None), [])
+
+
+def test_a_hybrid_targets_state_slots_count_requests_apart_from_the_radix_caches_prefixes():
+    """/get_server_info's ``state_pool``: slots the radix cache keeps for prefixes (evictable) are
+    not in use, so an idle server that cached prefixes reads 0, and a leaked slot still shows."""
+    allocator = SimpleNamespace(size=48, available_size=lambda: 40)
+    scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_allocator=allocator),
+                                tree_cache=SimpleNamespace(mamba_evictable_size=lambda: 7))
+    assert integration.recurrent_state_slots(scheduler) == {"used": 1, "cached": 7, "size": 48}
+    scheduler.tree_cache = SimpleNamespace()  # no radix cache of states: every slot taken is in use
+    assert integration.recurrent_state_slots(scheduler) == {"used": 8, "cached": 0, "size": 48}
+    assert integration.recurrent_state_slots(SimpleNamespace(req_to_token_pool=SimpleNamespace())) is None

@@ -185,7 +185,8 @@ def idle_counters(url):
     loads = kv_loads(url)
     state = (server_info(url).get("dflash") or {}).get("state_pool")
     return {"kv_used_tokens": loads.get("num_used_tokens"), "running_reqs": loads.get("num_running_reqs"),
-            "state_slots_used": state["used"] if state else None}
+            "state_slots_used": state["used"] if state else None,
+            "state_slots_cached": state.get("cached") if state else None}
 
 
 def test_reliability_load_with_cancels_leaves_the_servers_idle():
