@@ -396,7 +396,7 @@ class DFlashWorker(BaseSpecWorker):
         if self.width_policy is not None:
             info["width_policy"] = type(self.width_policy).__name__
             info["widths_used"] = {str(w): n for w, n in self.width_policy.widths_used().items()}
-            for key in ("step_ms", "choices", "switches", "acceptance_rates"):
+            for key in ("step_ms", "choices", "held", "switches", "acceptance_rates"):
                 if hasattr(self.width_policy, key):
                     info[key] = getattr(self.width_policy, key)()
         if self.fallback is not None:
