@@ -17,7 +17,11 @@
 # (7 minutes); the plugin's and the built-in's beside one 300 s load (the SmolLM2 load ends, the
 # hybrid's, which starts 2.5 minutes later, does not: give each load pair its own call or a shorter
 # DFLASH_LOAD_SECONDS); openai alone (two float32 servers, prefills eager).
-# DFLASH_ODD_IMPLS and DFLASH_LOAD_PAIRS split the group across calls; reliability_summary.py joins them.
+# DFLASH_ODD_IMPLS, DFLASH_ODD_CASES and DFLASH_LOAD_PAIRS split the group across calls;
+# reliability_summary.py joins them. What 0.5.23 still lacks (2026-12-02), a call each:
+#   DFLASH_ODD_IMPLS=builtin DFLASH_ODD_CASES="negative token id,huge top_logprobs_num,empty prompt on /v1/completions,empty text" bash lab/gpu_reliability.sh odd_requests
+#   DFLASH_LOAD_PAIRS=smollm2,qwen3.5-hybrid DFLASH_LOAD_SECONDS=300 bash lab/gpu_reliability.sh load
+#   bash lab/gpu_reliability.sh openai
 # SGLANG_VERSION picks the release (default 0.5.23). Evidence and server logs go to $OUT.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail

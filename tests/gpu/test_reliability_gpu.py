@@ -4,8 +4,9 @@
 
 The pair is SmolLM2-135M-Instruct and its DFlash draft (``DFLASH_TARGET``/``DFLASH_DRAFT``): its
 tokenizer adds no BOS, so an empty text is an empty prompt, which once ended a 0.5.23 server.
-- ``odd``: each request of :mod:`sglang_dflash.bench.odd_inputs` against plain decoding, the
-  built-in and the plugin (``DFLASH_ODD_IMPLS``), one server at a time, restarted after a crash.
+- ``odd``: each request of :mod:`sglang_dflash.bench.odd_inputs` (``DFLASH_ODD_CASES``: only those
+  named) against plain decoding, the built-in and the plugin (``DFLASH_ODD_IMPLS``), one server at a
+  time, restarted after a crash.
   The plugin must serve or refuse (4xx with a message) every one and stay up, and never refuse
   what plain decoding serves.
 - ``openai``: the official ``openai`` client against plain decoding and the plugin, float32 and
@@ -38,6 +39,8 @@ exit_on_sigterm()  # a call's `timeout` ends the run through the finally blocks 
 RELEASE = compat.running().version
 CONTEXT = 4096
 ODD_IMPLS = os.environ.get("DFLASH_ODD_IMPLS", "ar,builtin,plugin").split(",")
+# Only these odd requests, by name (comma-separated): what an earlier call left unmeasured.
+ODD_CASES = [c.strip() for c in os.environ.get("DFLASH_ODD_CASES", "").split(",") if c.strip()]
 LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", 300))
 LOAD_PAIRS = os.environ.get("DFLASH_LOAD_PAIRS", "smollm2,qwen3.5-hybrid").split(",")
 CANCEL_SHARE = 0.25
@@ -67,6 +70,9 @@ def odd_outcomes_all():
     target, draft = real_pair()
     vocab, specials, special_text = odd_inputs.tokenizer_facts(target)
     cases = odd_inputs.odd_cases(vocab, CONTEXT, specials, special_text)
+    unknown = set(ODD_CASES) - set(cases)
+    assert not unknown, f"DFLASH_ODD_CASES names no odd request {sorted(unknown)}"
+    cases = {name: case for name, case in cases.items() if not ODD_CASES or name in ODD_CASES}
     servers = {impl: Server(ServerSpec(impl, target, draft, None, USER_FLAGS + ["--context-length", str(CONTEXT)]),
                             log_path=os.path.join(RESULTS, f"server-odd-{impl}.log"), timeout_s=600)
                for impl in ODD_IMPLS}
