@@ -86,6 +86,10 @@ class StepStalls:
     width whose steps cost more shows whether the host spent it in the call or before it. And
     they are summed since start (``decode_host``): differences between two reads give a wave's
     mean host time per decode step, in the worker call and in the gap before it.
+
+    Every call is summed by mode too (``by_mode``: decode, extend, idle; calls, tokens prefilled,
+    call and gap ms since start): between two reads, their call and gap times add up to the wall
+    time the scheduler spent, so a slow wave's time is placed in decode steps or admissions.
     """
 
     def __init__(self, threshold_ms: float = 50.0, keep: int = 32, per_width: int = 64):
@@ -96,6 +100,7 @@ class StepStalls:
         self.by_width: dict[tuple[int, int], deque] = {}  # (width, bucket) -> (call s, gap s)
         self.decode_calls, self.decode_call_s, self.decode_gap_s = 0, 0.0, 0.0  # since start, gap known
         self.policy_s = 0.0  # since start: the width policy's own calls (the worker adds them, :func:`policy_time`)
+        self.by_mode: dict[str, list] = {}  # mode -> [calls, tokens, call s, gap s] since start
         self._start: Optional[float] = None
         self._last_end: Optional[float] = None
         self._last_mode = ""
@@ -108,6 +113,11 @@ class StepStalls:
         call = now - self._start if self._start is not None else 0.0
         gap = self._start - self._last_end if self._last_end is not None and self._start is not None else 0.0
         self.calls += 1
+        ledger = self.by_mode.setdefault(mode, [0, 0, 0.0, 0.0])
+        ledger[0] += 1
+        ledger[1] += tokens
+        ledger[2] += call
+        ledger[3] += gap
         if width is not None and self._last_end is not None:
             self.decode_calls += 1
             self.decode_call_s += call
@@ -133,7 +143,9 @@ class StepStalls:
                 "recent": list(self.recent),  # [call, previous>this mode, bs, tokens, call ms, gap ms]
                 "host_ms_by_width": by_width,  # medians of the last decode calls at each width@bucket
                 "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
-                                "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3)}}
+                                "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3)},
+                "by_mode": {mode: {"calls": n, "tokens": tokens, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
+                            for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())}}
 
 
 def policy_time(method):

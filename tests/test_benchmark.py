@@ -30,7 +30,8 @@ from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summar
 from sglang_dflash.bench.report import paired_wave_table, plot
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
-                                      ttft_parts, ttft_parts_summary, wave_host_per_step)
+                                      ttft_parts, ttft_parts_summary, wave_host_per_step,
+                                      wave_time_by_mode)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -369,7 +370,12 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     # 1 ms before it, 50 us of it the width policy's); the first wave has no totals before it.
     assert wave_host_per_step(rows["plugin"]) == [{"call": 2000.0, "gap": 1000.0, "policy": 50.0}] * 2
     assert wave_host_per_step(rows["ar"]) == []
+    # The scheduler's time by mode, wave by wave: decode steps 12 of each 16 ms, admissions 4.
+    assert wave_time_by_mode(rows["plugin"]) == [{"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25},
+                                                  "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625}}] * 2
+    assert wave_time_by_mode(rows["ar"]) == []
     assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 |" in (tmp_path / "report.md").read_text()
+    assert "| plugin | gsm8k | 1 | 2 | 4 | 1 | 50.0% | 25.0% | 18.8% | 6.2% |" in (tmp_path / "report.md").read_text()
     assert rows["plugin"]["wave_serving_compiles"] == [[0, 0.0], [1, 1.18], [1, 1.18]]
     assert "wave_serving_compiles" not in rows["ar"]  # none in its log
     per_request = rows["plugin"]["per_request"]

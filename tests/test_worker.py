@@ -586,7 +586,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
                                              "host_ms_by_width": {}, "decode_host": {"calls": 0, "call_ms": 0.0,
-                                                                                     "gap_ms": 0.0, "policy_ms": 0.0}}
+                                                                                     "gap_ms": 0.0, "policy_ms": 0.0},
+                                             "by_mode": {}}
     from sglang_dflash.draft_input import bulk_prepare_serves
 
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()
@@ -1037,6 +1038,25 @@ def test_the_recurrent_state_is_committed_through_the_backend_that_ran_the_verif
     worker.width_pairs = {}
     DFlashWorker.commit_recurrent_state(worker, batch, accepted, 16)
     assert len(backends[16].commits) == 1 + (committed_by == "w16")
+
+
+def test_the_schedulers_time_is_summed_by_mode_apart_from_the_pauses_between_reads(monkeypatch):
+    """``stalls.by_mode``: each worker call's time and the gap before it, by mode, since start;
+    a report forgets the last call's end, so a pause between a benchmark's waves counts nowhere."""
+    import sglang_dflash.host_pauses as host_pauses
+
+    clock = iter([0.0, 0.002, 0.003, 0.008, 0.010, 0.012, 5.0, 5.004])
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+    stalls = StepStalls()
+    for mode, tokens, width in (("extend", 300, None), ("decode", 0, 16), ("decode", 0, 4)):
+        stalls.begin()
+        stalls.end(mode, 2, tokens, width)
+    stalls.report()  # between waves
+    stalls.begin()
+    stalls.end("decode", 2, 0, 16)
+    assert stalls.report()["by_mode"] == {
+        "decode": {"calls": 3, "tokens": 0, "call_ms": 11.0, "gap_ms": 3.0},
+        "extend": {"calls": 1, "tokens": 300, "call_ms": 2.0, "gap_ms": 0.0}}
 
 
 def test_a_hybrid_whose_linear_layers_verify_on_flashinfer_keeps_the_block(monkeypatch, caplog):

@@ -6,7 +6,7 @@ import json
 import os
 import statistics
 
-from .stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step
+from .stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step, wave_time_by_mode
 
 
 def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
@@ -48,6 +48,31 @@ def host_time_table(rows: list[dict]) -> list[str]:
             *lines, ""]
 
 
+def time_by_mode_table(rows: list[dict]) -> list[str]:
+    """Plugin servers' scheduler time by mode, medians over a level's waves: the share of a wave in
+    decode steps and in admissions (prefills and their draft context), each in the worker call and
+    in the gap before it, so step-cost arithmetic can be set against a level's measured throughput."""
+    lines = []
+    for r in rows:
+        waves = wave_time_by_mode(r)
+        if not waves:
+            continue
+
+        def share(mode, part):
+            return statistics.median(w.get(mode, {}).get(part, 0.0) for w in waves)
+
+        cells = [f"{100 * share(m, p):.1f}%" for m in ("decode", "extend") for p in ("call", "gap")]
+        steps = statistics.median(w.get("decode", {}).get("calls", 0) for w in waves)
+        admissions = statistics.median(w.get("extend", {}).get("calls", 0) for w in waves)
+        lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | {steps:g} | {admissions:g} | "
+                     + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    return ["## Scheduler time by mode: medians over waves", "",
+            "| impl | dataset | conc | waves | decode steps | admissions | decode call | decode gap | "
+            "admission call | admission gap |", "|---|---|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
     lines = ["# DFLASH benchmark", ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()] + [""]
@@ -81,6 +106,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
         lines.append("")
     lines += paired_wave_table(rows, datasets, concs)
     lines += host_time_table(rows)
+    lines += time_by_mode_table(rows)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

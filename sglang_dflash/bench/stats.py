@@ -172,6 +172,27 @@ def wave_host_per_step(row: dict) -> list[dict]:
     return out
 
 
+def wave_time_by_mode(row: dict) -> list[dict]:
+    """Each wave's scheduler time of a plugin server by mode (decode steps, admissions: ``extend``),
+    in the worker call and in the gap before it, as shares of what the calls and gaps add up to, from
+    the running totals read after every wave (``wave_host_pauses``' ``by_mode``); and each mode's
+    calls. The level's first wave is left out, as in :func:`wave_host_per_step`."""
+    totals = [w.get("by_mode") for w in row.get("wave_host_pauses") or []]
+    out = []
+    for before, after in zip(totals, totals[1:]):
+        if not before or not after:
+            continue
+        diff = {mode: {k: after[mode][k] - before.get(mode, {}).get(k, 0) for k in ("calls", "call_ms", "gap_ms")}
+                for mode in after}
+        wall = sum(d["call_ms"] + d["gap_ms"] for d in diff.values())
+        if wall <= 0:
+            continue
+        out.append({"wall_ms": round(wall, 1), **{
+            mode: {"calls": d["calls"], "call": round(d["call_ms"] / wall, 4), "gap": round(d["gap_ms"] / wall, 4)}
+            for mode, d in sorted(diff.items()) if d["calls"]}})
+    return out
+
+
 def side_by_side(rows: list[dict]) -> dict:
     """Per concurrency: AR, plugin and built-in tok/s and accept lengths (first dataset measured)."""
     out = {}

@@ -265,7 +265,8 @@ def host_pauses(url: str) -> Optional[dict]:
         graphs["eager_verifies"] = sum(dflash["eager_verifies"].values())
     if "stalls" in dflash:  # worker calls, and gaps between them, over the threshold: the last few named;
         # the decode calls' host time summed since start (a wave's mean per step from two reads)
-        graphs.update({k: dflash["stalls"][k] for k in ("stalls", "stall_ms", "recent", "decode_host") if k in dflash["stalls"]})
+        graphs.update({k: dflash["stalls"][k] for k in ("stalls", "stall_ms", "recent", "decode_host", "by_mode")
+                       if k in dflash["stalls"]})
     return {**dflash["host_pauses"], **graphs}
 
 
