@@ -3,6 +3,7 @@
     bash lab/gpu_tests.sh hybrid                           # plugin, plugin + draft window, AR
     DFLASH_HYBRID_RUNS=builtin bash lab/gpu_tests.sh hybrid  # the built-in on the same tests
     DFLASH_HYBRID_RUNS=plugin_switching bash lab/gpu_tests.sh hybrid  # a new verify width every step
+    DFLASH_HYBRID_ARCH=qwen3_next bash lab/gpu_tests.sh hybrid  # the Qwen3-Next MoE hybrid instead
 
 Every server runs the same random Qwen3.5 target (``make_tiny_pair.py --target-arch qwen3_5``)
 with the radix cache and ``--mamba-radix-cache-strategy extra_buffer``; the draft has a
@@ -36,16 +37,17 @@ RUNS = {"plugin": ("plugin", (), {}),
         "plugin_switching": ("plugin", (), {"SGLANG_DFLASH_WIDTHS": "16,8,4,2,1", "SGLANG_DFLASH_WIDTH_POLICY": "cycle"}),
         "builtin": ("builtin", (), {})}
 SELECTED = os.environ.get("DFLASH_HYBRID_RUNS", "plugin,plugin_window").split(",")
+ARCH = os.environ.get("DFLASH_HYBRID_ARCH", "qwen3_5")  # make_tiny_pair.py --target-arch: qwen3_5, qwen3_next
 
 
 @lru_cache(maxsize=None)
 def hybrid_pair():
-    out = os.environ.get("DFLASH_HYBRID_DIR") or "/tmp/dflash-hybrid-m15"
+    out = os.environ.get("DFLASH_HYBRID_DIR") or ("/tmp/dflash-hybrid-m15" if ARCH == "qwen3_5" else f"/tmp/dflash-{ARCH}-m15")
     if not os.path.exists(os.path.join(out, "draft", "model.safetensors")):
         # A weaker magnet than the Qwen3 pair's. The recurrent target still locks onto it once
         # emitted (answers are mostly magnet runs); flatter targets leave the bf16 rule undecided.
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), out, "--magnet", "1.5",
-                        "--target-arch", "qwen3_5", "--draft-sliding-window", "256"], check=True)
+                        "--target-arch", ARCH, "--draft-sliding-window", "256"], check=True)
     return os.path.join(out, "target"), os.path.join(out, "draft")
 
 
@@ -115,7 +117,7 @@ def against_ar():
                         rows[kind].append({"request": i, **row})
             checkpointed = sum(c > n for c, n in zip(out["follow_up_cached"], out["follow_up_prompt_lens"]))
             reports[name] = {
-                "run": name, "dtype": "bfloat16", "calibration": calibration, "divergences": rows,
+                "run": name, "target_arch": ARCH, "dtype": "bfloat16", "calibration": calibration, "divergences": rows,
                 "off_near_tie": {k: sum(not r["near_tie"] for r in v) for k, v in rows.items()},
                 "prompts": {k: len(out[k]) for k in rows}, "long_prompt_tokens": list(LONG_PROMPTS),
                 "draft_window": WINDOW if name == "plugin_window" else None, "mamba_track_interval": INTERVAL,
@@ -124,7 +126,7 @@ def against_ar():
                 "loads_after": out["loads_after"], "ar_loads_after": ar_out["loads_after"],
                 "state_pool_after": out["state_pool_after"], "widths_used": out["widths_used"],
             }
-            save(f"hybrid_{name}.json", reports[name])
+            save(f"hybrid_{name}.json" if ARCH == "qwen3_5" else f"hybrid_{ARCH}_{name}.json", reports[name])
     return reports
 
 
