@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import random
 
 import pytest
@@ -109,6 +110,82 @@ def test_a_crash_is_recorded_with_its_cause_and_the_server_restarted_only_for_a_
     assert out["top_k 0"]["outcome"] == out["empty text"]["outcome"] == "crashed"
     assert out["empty text"]["cause"].startswith("RuntimeError: cannot reshape tensor of 0 elements")
     assert out["n 0"]["outcome"] == "refused"
+
+
+def test_a_restart_logs_to_a_file_of_its_own_under_the_start_lock_and_tries_once_more(tmp_path):
+    import threading
+
+    from sglang_dflash.bench.server import ServerError
+
+    lock, events = threading.Lock(), []
+
+    class Flaky:
+        log_path = str(tmp_path / "server-ar.log")
+        fail_next = True
+
+        def stop(self, grace_s=10):
+            events.append("stop")
+
+        def start(self):
+            events.append(("start", os.path.basename(self.log_path), lock.locked()))
+            if self.fail_next:
+                self.fail_next = False
+                raise ServerError("Loaded weights leave no GPU memory for the KV cache")
+
+    server = Flaky()
+    restart = odd_inputs.Restarter(server, str(tmp_path / "server-ar"), lock)
+    restart()
+    restart()
+    assert restart.restarts == 2 and not lock.locked()
+    assert events == ["stop", ("start", "server-ar-1.log", True), "stop", ("start", "server-ar-1.log", True),
+                      "stop", ("start", "server-ar-2.log", True)]
+
+
+def test_the_command_keeps_each_outcome_as_it_comes_and_restarts_a_dead_server(tmp_path, monkeypatch, capsys):
+    import sglang_dflash.bench.server as server_mod
+    import sglang_dflash.bench.stress as stress_mod
+
+    state = {"up": True, "starts": []}
+
+    class FakeServer:
+        def __init__(self, spec, log_path, timeout_s):
+            self.spec, self.log_path, self.url = spec, log_path, f"http://{spec.impl}"
+
+        def __enter__(self):
+            self.start()
+            return self
+
+        def __exit__(self, *exc):
+            self.stop()
+
+        def start(self):
+            state["starts"].append(os.path.basename(self.log_path))
+            state["up"] = True
+
+        def stop(self, grace_s=10):
+            pass
+
+        def log_tail(self, lines=40):
+            return "RuntimeError: cannot reshape tensor of 0 elements\n"
+
+    def post(url, body, timeout=300):
+        if url.startswith("http://ar") and isinstance(body, dict) and body["sampling_params"].get("n") == 0:
+            state["up"] = False
+            return 0, "connection refused"
+        return 200, {"text": "ok", "meta_info": {"completion_tokens": 1}}
+
+    monkeypatch.setattr(odd_inputs, "tokenizer_facts", lambda path: (49152, [0, 1, 2], "<|a|>"))
+    monkeypatch.setattr(odd_inputs, "post", post)
+    monkeypatch.setattr(server_mod, "Server", FakeServer)
+    monkeypatch.setattr(stress_mod, "alive", lambda url: state["up"])
+    rc = odd_inputs.main(["--model-path", "m", "--draft-model-path", "d", "--impls", "ar,plugin",
+                          "--cases", "empty text,n 0", "--output-dir", str(tmp_path)])
+    report = json.loads((tmp_path / "odd.json").read_text())
+    assert report["cases"]["n 0"]["ar"]["outcome"] == "crashed"
+    assert report["cases"]["n 0"]["plugin"]["outcome"] == report["cases"]["empty text"]["ar"]["outcome"] == "served"
+    assert report["starts"] == {"ar": 2, "plugin": 1}  # restarted for the request after the crash
+    assert state["starts"] == ["server-ar.log", "server-ar-1.log", "server-plugin.log"]
+    assert rc == 0 and "crashed" in capsys.readouterr().out
 
 
 def test_error_messages_are_read_from_every_shape_sglang_answers_with():

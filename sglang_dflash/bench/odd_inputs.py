@@ -16,6 +16,7 @@ served it. Exit code 1 when there is one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -216,6 +217,29 @@ def run_cases(server, cases: dict[str, OddCase], alive: Callable[[str], bool], r
     return out
 
 
+class Restarter:
+    """Starts a server again after a crash, its log in a file of its own (``STEM-1.log``, ...).
+    ``starting``: a lock held while any server starts (0.5.23 refuses to start where another
+    start moved memory under its reading); a start that fails is tried once more."""
+
+    def __init__(self, server, log_stem: str, starting=None):
+        self.server, self.log_stem, self.starting = server, log_stem, starting
+        self.restarts = 0
+
+    def __call__(self) -> None:
+        from .server import ServerError
+
+        self.server.stop(grace_s=5)
+        self.restarts += 1
+        self.server.log_path = f"{self.log_stem}-{self.restarts}.log"
+        with self.starting or contextlib.nullcontext():
+            try:
+                self.server.start()
+            except ServerError:  # memory moved under its reading (a neighbour's start or load)
+                self.server.stop(grace_s=5)
+                self.server.start()
+
+
 def tokenizer_facts(model_path: str) -> tuple[int, list[int], str]:
     """(vocab size of the embedding, the special token ids, their text) of the target."""
     from transformers import AutoConfig, AutoTokenizer
@@ -250,26 +274,28 @@ def main(argv=None) -> int:
     results: dict = {name: {} for name in cases if not args.cases or name in args.cases}
     report = {"vocab": vocab, "context_length": args.context_length, "cases": results, "starts": {}}
     flags = ["--context-length", str(args.context_length), *shlex.split(args.server_args)]
-    for impl in args.impls:
-        spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, flags)
-        server = Server(spec, log_path=os.path.join(args.output_dir, f"server-{impl}.log"), timeout_s=600)
-        starts = [0]
-
-        def restart(server=server, starts=starts):
-            server.stop(grace_s=5)
-            starts[0] += 1
-            server.log_path = os.path.join(args.output_dir, f"server-{impl}-{starts[0]}.log")
-            server.start()
-
-        with server:
-            for name, got in run_cases(server, cases, alive, restart, args.cases).items():
-                results[name][impl] = got
-                print(f"{impl:>8}  {name:<40} {got['outcome']:<8} {got.get('message') or got.get('cause') or ''}"[:160],
-                      flush=True)
-        report["starts"][impl] = 1 + starts[0]
-        report["problems"] = problems(results) if "plugin" in args.impls else []
+    def save() -> None:
         with open(os.path.join(args.output_dir, "odd.json"), "w") as f:
             json.dump(report, f, indent=1)
+
+    for impl in args.impls:
+        spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, flags)
+        stem = os.path.join(args.output_dir, f"server-{impl}")
+        server = Server(spec, log_path=stem + ".log", timeout_s=600)
+        restart, got = Restarter(server, stem), {}
+
+        def recorded(impl=impl, got=got, restart=restart) -> None:  # each outcome kept as it comes
+            name = next(reversed(got))
+            results[name][impl] = got[name]
+            report["starts"][impl] = 1 + restart.restarts
+            print(f"{impl:>8}  {name:<40} {got[name]['outcome']:<8} "
+                  f"{got[name].get('message') or got[name].get('cause') or ''}"[:160], flush=True)
+            save()
+
+        with server:
+            run_cases(server, cases, alive, restart, args.cases, out=got, recorded=recorded)
+        report["problems"] = problems(results) if "plugin" in args.impls else []
+        save()
     for line in report["problems"]:
         print("PROBLEM", line)
     return 1 if report["problems"] else 0

@@ -31,7 +31,7 @@ from test_server_gpu import RESULTS
 from sglang_dflash import compat
 from sglang_dflash.bench import odd_inputs, openai_client
 from sglang_dflash.bench.client import kv_loads, server_info
-from sglang_dflash.bench.server import Server, ServerError, ServerSpec, exit_on_sigterm, prefill_graph_flags
+from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, prefill_graph_flags
 from sglang_dflash.bench.stress import alive, run_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.reliability]
@@ -93,20 +93,14 @@ def odd_outcomes_all():
 
     def run(impl):
         server, got = servers[impl], done[impl]
+        restart = odd_inputs.Restarter(server, os.path.join(RESULTS, f"server-odd-{impl}"), starting)
 
-        def restart():
-            server.stop(grace_s=5)
-            got["restarts"] += 1
-            server.log_path = os.path.join(RESULTS, f"server-odd-{impl}-{got['restarts']}.log")
-            with starting:
-                try:
-                    server.start()
-                except ServerError:  # memory moved under its reading (a load beside it): once more
-                    server.stop(grace_s=5)
-                    server.start()
+        def recorded():
+            got["restarts"] = restart.restarts
+            record()
 
         try:
-            odd_inputs.run_cases(server, cases, alive, restart, out=got["outcomes"], recorded=record)
+            odd_inputs.run_cases(server, cases, alive, restart, out=got["outcomes"], recorded=recorded)
             got["alive_at_end"] = alive(server.url)
         except Exception as e:  # a restart that failed: recorded, and the plugin's test fails on it
             got.update(alive_at_end=False, failed=f"{type(e).__name__}: {e}"[:500])
