@@ -17,22 +17,27 @@ from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, block_accept
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = str(tmp_path_factory.mktemp("target"))
+def write_tiny_target(path, config_class, model_class, **shape):
+    """A random target with a character tokenizer and clear greedy choices, and its own responses."""
     tok = write_char_tokenizer(path)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id)
+    cfg = config_class(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+                       eos_token_id=tok.eos_token_id, **shape)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).float().eval()
+    model = model_class(cfg).float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # clear greedy choices
     model.save_pretrained(path)
     examples = regenerate(path, PROMPTS, max_new_tokens=40, engine="hf", hf_model=model, tokenizer=tok)
     return path, model, tok, examples
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return write_tiny_target(str(tmp_path_factory.mktemp("target")), Qwen3Config, Qwen3ForCausalLM,
+                             num_hidden_layers=6)
 
 
 def acceptance(model, draft, tok, block_size):
@@ -684,19 +689,10 @@ def test_a_hybrid_target_trains_a_draft_the_plugin_accepts_and_that_stays_lossle
     one full-attention layer), through the same trainer, on transformers' own CPU kernels."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    path = str(tmp_path / "target")
-    tok = write_char_tokenizer(path)
-    cfg = Qwen3_5TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                            linear_value_head_dim=16, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"])
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # clear greedy choices
-    model.save_pretrained(path)
-    examples = regenerate(path, PROMPTS, max_new_tokens=40, engine="hf", hf_model=model, tokenizer=tok)
+    path, model, tok, examples = write_tiny_target(
+        str(tmp_path / "target"), Qwen3_5TextConfig, Qwen3_5ForCausalLM, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
     out = str(tmp_path / "draft")
     train(model, tok, examples, TrainConfig(out_dir=out, block_size=4, draft_layers=2, steps=120, batch_size=8,
                                             lr=3e-3, anchors=16, save_every=120, max_length=128), log=lambda *a: None)
