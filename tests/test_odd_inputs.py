@@ -188,6 +188,33 @@ def test_the_command_keeps_each_outcome_as_it_comes_and_restarts_a_dead_server(t
     assert rc == 0 and "crashed" in capsys.readouterr().out
 
 
+def test_the_openai_command_in_float32_warms_each_server_and_compares_exactly(tmp_path, monkeypatch, capsys):
+    import sglang_dflash.bench.server as server_mod
+
+    started, asked = [], []
+
+    class FakeServer:
+        def __init__(self, spec, log_path, timeout_s):
+            self.spec, self.url = spec, f"http://{spec.impl}"
+
+        def __enter__(self):
+            started.append((self.spec.impl, self.spec.extra_args, self.spec.extra_env))
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    record = {"logprobs": [{"token": "a", "logprob": -0.1, "top": []}]}
+    monkeypatch.setattr(server_mod, "Server", FakeServer)
+    monkeypatch.setattr(openai_client, "collect", lambda url: asked.append(url) or record)
+    monkeypatch.setattr(openai_client, "compare", lambda ref, got, logprob_tol: {"tol": "same" if logprob_tol == 1e-3 else "differs"})
+    monkeypatch.setattr(openai_client, "self_checks", lambda rec: {"stream joins": "same"})
+    rc = openai_client.main(["--model-path", "m", "--draft-model-path", "d", "--float32", "--output-dir", str(tmp_path)])
+    assert rc == 0 and asked == ["http://ar"] * 2 + ["http://plugin"] * 2  # a warm-up round, then the recorded one
+    assert all("float32" in flags and env["TRITON_F32_DEFAULT"] == "ieee" for _, flags, env in started)
+    assert json.loads((tmp_path / "openai.json").read_text())["compare"] == {"tol": "same"}
+
+
 def test_error_messages_are_read_from_every_shape_sglang_answers_with():
     assert odd_inputs.error_message({"error": {"message": "bad"}}) == "bad"
     assert odd_inputs.error_message({"error": "bad"}) == "bad"

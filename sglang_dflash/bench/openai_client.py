@@ -2,12 +2,15 @@
 servers' answers compared (the plugin against plain decoding, greedy).
 
     python -m sglang_dflash.bench.openai_client --model-path TARGET --draft-model-path DRAFT \\
-        --impls ar,plugin --output-dir OUT [--server-args "..."]
+        --impls ar,plugin --output-dir OUT [--float32] [--server-args "..."]
 
 Per server, :func:`collect` asks every case once and records the texts (and, for logprobs, the
 tokens and their top lists). Checks inside one server: each stream's pieces join to the text of
 the same request unstreamed, and the usage a stream reports last equals the unstreamed usage.
 :func:`compare` then reads two servers' records case by case: ``same`` or ``differs``.
+``--float32`` runs both servers where every text is exact (float32, Triton attention, prefills
+eager), each asked every case once before the recorded round: float32 Triton compiles each new
+shape on first use.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ MAX_TOKENS = 96
 # tokens at temperature 0.5. It is compared greedy; sampled, it is only served and counted.
 CARD_PROMPT, CARD_MAX_TOKENS, CARD_TEMPERATURE = "Once upon a time,", 512, 0.5
 STOP_PLACES = 6  # stop strings cut from the greedy answer at this many places
+# Servers whose greedy texts are exact: float32 weights and norms, IEEE float32 in Triton's dots;
+# prefills eager (capturing SGLang's prefill graphs in float32 compiles for minutes a server).
+FLOAT32_FLAGS = ["--dtype", "float32", "--attention-backend", "triton", "--disable-prefill-cuda-graph"]
+FLOAT32_ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
 def chat(client, prompt: str, **kw):
@@ -132,35 +139,54 @@ def compare(ref: dict, got: dict, logprob_tol: float = 0.05) -> dict:
     }
 
 
+def compare_servers(model_path: str, draft_path: Optional[str], impls: list, flags: list, env: dict,
+                    log_dir: str, warm: bool = False, logprob_tol: float = 0.05) -> dict:
+    """Each of ``impls`` (the reference, then the subject) started in turn and asked every case
+    (``warm``: twice, the first round unrecorded); their records, the comparison and each one's own
+    checks."""
+    from .server import Server, ServerSpec
+
+    records = {}
+    for impl in impls:
+        spec = ServerSpec(impl, model_path, draft_path, None, list(flags), dict(env))
+        with Server(spec, log_path=os.path.join(log_dir, f"server-openai-{impl}.log"), timeout_s=600) as srv:
+            if warm:
+                collect(srv.url)
+            records[impl] = collect(srv.url)
+    ref, sub = impls
+    return {"compare": compare(records[ref], records[sub], logprob_tol=logprob_tol),
+            "self": {impl: self_checks(rec) for impl, rec in records.items()}, "records": records}
+
+
+def verdicts(report: dict) -> dict:
+    return {**report["compare"], **{f"{k} ({i})": v for i, c in report["self"].items() for k, v in c.items()}}
+
+
 def main(argv=None) -> int:
     import shlex
-
-    from .server import Server, ServerSpec
 
     ap = parser(__doc__, prog="python -m sglang_dflash.bench.openai_client")
     ap.add_argument("--model-path", required=True, help="the target")
     ap.add_argument("--draft-model-path", help="the DFlash draft, for DFLASH servers")
     ap.add_argument("--impls", type=comma_list, default=["ar", "plugin"], help="reference first, then the subject")
     ap.add_argument("--server-args", default="", help="more flags for every server")
+    ap.add_argument("--float32", action="store_true",
+                    help="float32 servers, where every text is exact; each warmed by one unrecorded round")
     ap.add_argument("--output-dir", required=True, help="openai.json and the server logs")
     args = ap.parse_args(argv)
     if len(args.impls) != 2:
         ap.error("--impls takes two servers: the reference, then the subject")
     os.makedirs(args.output_dir, exist_ok=True)
-    records = {}
-    for impl in args.impls:
-        spec = ServerSpec(impl, args.model_path, args.draft_model_path, None, shlex.split(args.server_args))
-        with Server(spec, log_path=os.path.join(args.output_dir, f"server-openai-{impl}.log"), timeout_s=600) as srv:
-            records[impl] = collect(srv.url)
-    ref, sub = args.impls
-    report = {"compare": compare(records[ref], records[sub]),
-              "self": {impl: self_checks(rec) for impl, rec in records.items()}, "records": records}
+    flags = (FLOAT32_FLAGS if args.float32 else []) + shlex.split(args.server_args)
+    report = compare_servers(args.model_path, args.draft_model_path, args.impls, flags,
+                             FLOAT32_ENV if args.float32 else {}, args.output_dir, warm=args.float32,
+                             logprob_tol=1e-3 if args.float32 else 0.05)
     with open(os.path.join(args.output_dir, "openai.json"), "w") as f:
         json.dump(report, f, indent=1)
-    verdicts = {**report["compare"], **{f"{k} ({i})": v for i, c in report["self"].items() for k, v in c.items()}}
-    for case, verdict in verdicts.items():
+    found = verdicts(report)
+    for case, verdict in found.items():
         print(f"{verdict:<8} {case}")
-    return 0 if all(v == "same" for v in verdicts.values()) else 1
+    return 0 if all(v == "same" for v in found.values()) else 1
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from test_server_gpu import RESULTS
 from sglang_dflash import compat
 from sglang_dflash.bench import odd_inputs, openai_client
 from sglang_dflash.bench.client import kv_loads, server_info
-from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm, prefill_graph_flags
+from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm
 from sglang_dflash.bench.stress import alive, run_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.reliability]
@@ -48,7 +48,6 @@ CANCEL_SHARE = 0.25
 # CUDA graphs. A fixed share of memory each, so servers side by side all fit.
 USER_FLAGS = ["--attention-backend", "triton", "--max-running-requests", "64", "--mem-fraction-static", "0.3",
               "--log-level", "warning"]
-FP32_ENV = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
 def real_pair():
@@ -157,19 +156,11 @@ def test_reliability_empty_prompt_is_refused_and_the_server_stays_up():
 
 def test_reliability_openai_client_matches_plain_decoding():
     target, draft = real_pair()
-    # Prefills run eagerly: capturing SGLang's prefill graphs in float32 compiles for minutes a server.
-    flags = USER_FLAGS + ["--dtype", "float32", "--attention-backend", "triton", "--cuda-graph-max-bs-decode", "8",
-                          *prefill_graph_flags("off")]
-    records = {}
-    for impl in ("ar", "plugin"):
-        spec = ServerSpec(impl, target, draft, None, flags, dict(FP32_ENV))
-        with Server(spec, log_path=os.path.join(RESULTS, f"server-openai-{impl}.log"), timeout_s=600) as srv:
-            openai_client.collect(srv.url)  # float32 Triton compiles each new shape once: warm them first
-            records[impl] = openai_client.collect(srv.url)
-    report = {"compare": openai_client.compare(records["ar"], records["plugin"], logprob_tol=1e-3),
-              "self": {impl: openai_client.self_checks(rec) for impl, rec in records.items()}, "records": records}
+    flags = USER_FLAGS + openai_client.FLOAT32_FLAGS + ["--cuda-graph-max-bs-decode", "8"]
+    report = openai_client.compare_servers(target, draft, ["ar", "plugin"], flags, openai_client.FLOAT32_ENV,
+                                           RESULTS, warm=True, logprob_tol=1e-3)
     save("openai", report)
-    verdicts = {**report["compare"], **{f"{k} ({i})": v for i, c in report["self"].items() for k, v in c.items()}}
+    verdicts = openai_client.verdicts(report)
     assert all(v == "same" for v in verdicts.values()), verdicts
 
 
