@@ -69,3 +69,27 @@ def test_no_server_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         stress.main(["--base-url", f"http://127.0.0.1:{free_port()}", "load"])
     assert "no healthy server" in capsys.readouterr().err
+
+
+def test_a_servers_memory_is_its_whole_process_trees_gpu_and_resident_memory(monkeypatch):
+    """``Server.memory``: what a leak would grow, the server and every process under it."""
+    import subprocess
+    import sys
+    import time
+
+    import sglang_dflash.bench.server as server_mod
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        server = server_mod.Server(server_mod.ServerSpec("ar", "m"), log_path="/dev/null")
+        server.proc = child
+        monkeypatch.setattr(server_mod, "gpu_processes", lambda: [(child.pid, 700), (child.pid + 10**6, 9)])
+        for _ in range(100):  # until the child holds its 64 MiB
+            got = server.memory()
+            if got["host_rss_mb"] >= 64:
+                break
+            time.sleep(0.05)
+        assert got["gpu_mb"] == 700 and 64 <= got["host_rss_mb"] < 1024, got
+    finally:
+        child.kill()
+        child.wait()

@@ -405,16 +405,17 @@ class Server:
     def memory(self) -> dict:
         """GPU memory (MiB, as nvidia-smi counts it) and resident host memory (MiB) of the server
         and every process under it: a leak shows as growth between two readings at idle."""
+        import psutil  # SGLang's own dependency
+
         pids = set(process_tree(self.proc.pid)) if self.proc is not None else set()
         gpu = sum(mib for pid, mib in gpu_processes() if pid in pids)
         rss = 0
         for pid in pids:
             try:
-                with open(f"/proc/{pid}/status") as f:
-                    rss += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-            except OSError:  # ended meanwhile
+                rss += psutil.Process(pid).memory_info().rss
+            except psutil.Error:  # ended meanwhile
                 pass
-        return {"gpu_mb": gpu, "host_rss_mb": rss // 1024}
+        return {"gpu_mb": gpu, "host_rss_mb": rss // 2**20}
 
     def log_tail(self, lines: int = 40) -> str:
         try:
