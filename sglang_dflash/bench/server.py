@@ -24,6 +24,10 @@ IMPLEMENTATIONS = {
     "ar": ([], {}),
     "plugin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin"}),
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
+    # The built-in with ReplaySSM's verify (hybrid targets): SGLang 0.5.17-0.5.23 refuse it for
+    # DFLASH on models without KDA layers (docs/design/hybrid-adaptive-width.md); a rig run checks.
+    "builtin-replayssm": (["--speculative-algorithm", "DFLASH", "--enable-linear-replayssm-spec"],
+                          {"SGLANG_DFLASH_IMPL": "builtin"}),
     # The plugin's default is adaptive verify width wherever it serves; "adaptive" insists on it
     # (a server where it cannot serve fails to start), "plugin-fixed" verifies the whole block every step.
     # (SGLANG_DFLASH_WIDTH_POLICY set for the run, e.g. cycle:8, applies to "plugin" alone).
