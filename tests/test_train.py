@@ -702,3 +702,50 @@ def test_a_hybrid_target_trains_a_draft_the_plugin_accepts_and_that_stays_lossle
     assert resolved.block_size == 4 and resolved.num_target_layers == 4
     # Lossless on every prompt, and most drafts land (3.97 of 4 here; an untrained draft, about 1).
     assert acceptance(model, load_trained_draft(out), tok, 4) > 2.5
+
+
+def test_an_eval_file_is_scored_at_each_save_and_never_trained_on(tiny_target, tmp_path, capsys):
+    from sglang_dflash.train.data import save_examples
+
+    path, _, _, examples = tiny_target
+    save_examples(examples[:20], str(tmp_path / "train.jsonl"))
+    save_examples(examples[20:], str(tmp_path / "held.jsonl"))
+    base = ["--target", path, "--datasets", "", "--block-size", "4", "--draft-layers", "1", "--steps", "4",
+            "--batch-size", "2", "--anchors", "4", "--max-length", "128", "--save-every", "2",
+            "--extra-examples", str(tmp_path / "train.jsonl")]
+    assert cli.main(base + ["--out", str(tmp_path / "d"), "--eval-file", str(tmp_path / "held.jsonl")]) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "d" / "eval_log.jsonl")]
+    assert [r["step"] for r in rows] == [2, 4] and all(r["eval_accept_len"] >= 1 for r in rows)
+    with pytest.raises(SystemExit):
+        cli.parse_args(base + ["--out", "o", "--eval-file", str(tmp_path / "held.jsonl"), "--eval-examples", "3"])
+    assert "give one" in capsys.readouterr().err
+
+
+def test_the_ablation_runs_each_variant_on_the_same_held_out_examples(tiny_target, tmp_path):
+    import subprocess
+    import sys
+
+    from sglang_dflash.train.data import save_examples
+
+    path, _, _, examples = tiny_target
+    save_examples(examples, str(tmp_path / "all.jsonl"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "ablation"
+    run = subprocess.run(
+        [sys.executable, "-m", "lab.train_ablation", str(out), "--target", path, "--examples", str(tmp_path / "all.jsonl"),
+         "--eval-examples", "4", "--save-every", "2", "--minutes", "5", "--variant", "base=",
+         "--variant", "half=--examples-share 0.5 --anchors 8",
+         "--", "--block-size", "4", "--draft-layers", "1", "--steps", "4", "--batch-size", "2", "--anchors", "4",
+         "--max-length", "128"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads((out / "ablation.json").read_text())["variants"]
+    assert [v["name"] for v in got] == ["base", "half"]
+    assert [v["trained_examples"] for v in got] == [len(examples) - 4, round(0.5 * (len(examples) - 4))]
+    assert all(v["steps"] == 4 and v["accept_length"] >= 1 and len(v["curve"]) == 2 for v in got)
+    assert got[1]["args"] == "--anchors 8 --examples-share 0.5"
+    assert len((out / "held-out.jsonl").read_text().splitlines()) == 4
+    assert "| half | `--anchors 8 --examples-share 0.5` |" in (out / "ablation.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "lab.train_ablation", str(out), "--target", path, "--examples",
+                          str(tmp_path / "all.jsonl"), "--eval-examples", "4", "--variant", "x=--examples-share 2"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--examples-share takes a fraction in (0, 1], got 2.0" in bad.stderr

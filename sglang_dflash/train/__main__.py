@@ -67,6 +67,9 @@ def parse_args(argv=None):
                          "(results/smollm2-draft)")
     ap.add_argument("--eval-examples", type=int, default=0,
                     help="hold this many examples out; their loss and accuracy go to OUT/eval_log.jsonl at each save")
+    ap.add_argument("--eval-file", default="",
+                    help="score these examples (examples.jsonl[.xz], never trained on) at each save instead: the "
+                         "same held-out set for runs on different training examples (lab/train_ablation.py)")
     ap.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     ap.add_argument("--max-minutes", type=float,
                     help="training time over all resumes; the LR schedule fits it (and --steps, whichever ends first); "
@@ -131,6 +134,10 @@ def parse_args(argv=None):
     missing = [p for p in args.extra_examples if not os.path.isfile(p)]
     if missing:
         ap.error(f"--extra-examples: no such file {missing[0]!r}")
+    if args.eval_file and not os.path.isfile(args.eval_file):
+        ap.error(f"--eval-file: no such file {args.eval_file!r}")
+    if args.eval_file and args.eval_examples:
+        ap.error("--eval-file and --eval-examples both choose the held-out examples: give one")
     cached = os.path.isfile(os.path.join(args.out, "examples.jsonl"))
     if args.steps and not (args.datasets or args.extra_examples or cached):
         ap.error("no training examples: give --datasets or --extra-examples")
@@ -276,7 +283,8 @@ def run(argv=None) -> int:
         save_every=args.save_every, max_minutes=args.max_minutes, pause_after_minutes=args.pause_after_minutes,
         seed=args.seed, init_from=args.init_from, eval_examples=args.eval_examples, labels=args.labels,
     )
-    out = train(model, tokenizer, examples, cfg, resume=args.resume, started=started)
+    eval_set = load_examples(args.eval_file) if args.eval_file else None
+    out = train(model, tokenizer, examples, cfg, resume=args.resume, started=started, eval_set=eval_set)
     print(f"draft written to {out}")
     return 0
 

@@ -355,11 +355,12 @@ def keep_log_rows_up_to(path: str, step: int) -> None:
 
 
 def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig, resume: bool = False,
-          log=print, started: Optional[float] = None) -> str:
+          log=print, started: Optional[float] = None, eval_set: Optional[Sequence[Example]] = None) -> str:
     """Train and write the draft to ``cfg.out_dir``; resumes from its ``trainer_state.pt`` if asked.
 
     ``started`` (``time.monotonic()``) is when the command began: ``pause_after_minutes`` counts
-    from there, so regeneration and loading fit inside a time-limited job too.
+    from there, so regeneration and loading fit inside a time-limited job too. ``eval_set``: the
+    held-out examples scored at each save, given (none of ``examples`` is held out then).
     """
     device = next(target_model.parameters()).device
     vocab = target_model.get_input_embeddings().weight.shape[0]
@@ -398,7 +399,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
     if run_progress(start, trained_s, cfg) >= 1:
         log(f"the training budget is spent (step {start}, {trained_s / 60:.1f} min): nothing to resume")
         return cfg.out_dir
-    pool, held_out = split_eval(examples, cfg.eval_examples, cfg.seed)
+    pool, held_out = (list(examples), list(eval_set)) if eval_set else split_eval(examples, cfg.eval_examples, cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     bar = progress_bar(cfg.steps, "training draft", initial=start)
     t0 = time.monotonic()
