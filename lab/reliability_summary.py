@@ -18,6 +18,8 @@ import os
 import re
 import sys
 
+from sglang_dflash.bench.openai_client import verdicts
+
 FILE = re.compile(r"reliability-(?P<release>[0-9.]+)-(?P<part>odd|openai|load)\.json$")
 
 
@@ -74,8 +76,7 @@ def summarize(dirs: list[str], root: str = ".") -> dict:
                 causes.setdefault(m["release"], {}).update(empty_prompt_causes(report))
                 rel["empty_prompt_cause"] = "; ".join(causes[m["release"]].values())
             elif m["part"] == "openai":
-                rel["openai_client"] = {**report["compare"], **{
-                    f"{case} ({impl})": v for impl, checks in report["self"].items() for case, v in checks.items()}}
+                rel["openai_client"] = verdicts(report)
             else:
                 rel.setdefault("load", {}).update(load_table(report))
             rel["evidence"].append(os.path.relpath(path, root))

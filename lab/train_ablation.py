@@ -23,6 +23,8 @@ import shlex
 import subprocess
 import sys
 
+from sglang_dflash.train.data import load_examples, save_examples
+
 SHARE_FLAG = "--examples-share"
 
 
@@ -47,14 +49,6 @@ def split_share(args: list[str]) -> tuple[float, list[str]]:
     return share, args[:i] + args[i + 2:]
 
 
-def read_lines(path: str) -> list[str]:
-    import lzma
-
-    opener = lzma.open if path.endswith(".xz") else open
-    with opener(path, "rt") as f:
-        return [line for line in f if line.strip()]
-
-
 def eval_rows(out: str) -> list[dict]:
     path = os.path.join(out, "eval_log.jsonl")
     if not os.path.isfile(path):
@@ -73,15 +67,14 @@ def train_minutes(out: str) -> float:
     return float(torch.load(path, map_location="cpu", weights_only=False).get("train_seconds", 0.0)) / 60
 
 
-def run_variant(out_dir: str, name: str, args: list[str], common: list[str], pool: list[str], held_file: str,
+def run_variant(out_dir: str, name: str, args: list[str], common: list, pool: list, held_file: str,
                 target: str, minutes: float, save_every: int) -> dict:
     share, args = split_share(args)
     out = os.path.join(out_dir, name)
     os.makedirs(out, exist_ok=True)
     kept = pool[:max(1, round(share * len(pool)))]
     data = os.path.join(out, "ablation-examples.jsonl")
-    with open(data, "w") as f:
-        f.writelines(kept)
+    save_examples(kept, data)
     cmd = [sys.executable, "-m", "sglang_dflash.train", "--target", target, "--out", out, "--datasets", "",
            "--extra-examples", data, "--eval-file", held_file, "--max-minutes", str(minutes),
            "--save-every", str(save_every), *common, *args]
@@ -147,15 +140,14 @@ def main(argv=None) -> int:
         ap.error(f"variant names repeat: {names}")
     if not os.path.isfile(args.examples):
         ap.error(f"--examples {args.examples}: no such file")
-    examples = read_lines(args.examples)
+    examples = load_examples(args.examples)
     if len(examples) <= args.eval_examples:
         ap.error(f"--examples holds {len(examples)} examples, not more than --eval-examples {args.eval_examples}")
     for _, variant_args in args.variant:
         split_share(variant_args)  # a bad share stops here, before any training
     os.makedirs(args.out, exist_ok=True)
     held_file = os.path.join(args.out, "held-out.jsonl")
-    with open(held_file, "w") as f:
-        f.writelines(examples[:args.eval_examples])
+    save_examples(examples[:args.eval_examples], held_file)
     results = []
     for name, variant_args in args.variant:
         results.append(run_variant(args.out, name, variant_args, common, examples[args.eval_examples:], held_file,

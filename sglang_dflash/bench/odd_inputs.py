@@ -274,6 +274,7 @@ def main(argv=None) -> int:
     results: dict = {name: {} for name in cases if not args.cases or name in args.cases}
     report = {"vocab": vocab, "context_length": args.context_length, "cases": results, "starts": {}}
     flags = ["--context-length", str(args.context_length), *shlex.split(args.server_args)]
+
     def save() -> None:
         with open(os.path.join(args.output_dir, "odd.json"), "w") as f:
             json.dump(report, f, indent=1)
