@@ -13,6 +13,8 @@
 #       the expression beside it: one call instead of two. First starts on a fresh machine take
 #       3-4 minutes a server (Triton compiles, graph capture), later ones about a minute, and plain
 #       decoding restarts after each of the four requests that end it (about a minute each).
+#   DFLASH_LOAD_PAIRS=qwen3.5-hybrid DFLASH_HYBRID_RUNS=plugin_switching bash lab/gpu_reliability.sh --beside-load-tests "hybrid and not reliability"
+#       the same, with any GPU tests beside the load (the expression is gpu_tests.sh's as it stands)
 # What fits one call (0.5.23, H200, 2026-12-02): plain decoding's odd requests on a fresh machine
 # (7 minutes); the plugin's and the built-in's beside one 300 s load (the SmolLM2 load ends, the
 # hybrid's, which starts 2.5 minutes later, does not: give each load pair its own call or a shorter
@@ -32,7 +34,7 @@ if ! source lab/gpu_setup.sh "$SGLANG_VERSION"; then
 fi
 gpu_model /tmp/smollm2 || { echo "gpu_reliability: SmolLM2 parts incomplete"; exit 0; }
 [ "$1" = stage ] && { echo "gpu_reliability: staged"; exit 0; }
-[ "$1" = --beside-load ] && [ -z "${2:-}" ] && { echo "gpu_reliability: --beside-load EXPRESSION" >&2; exit 2; }
+case "$1" in --beside-load|--beside-load-tests) [ -n "${2:-}" ] || { echo "gpu_reliability: $1 EXPRESSION" >&2; exit 2; } ;; esac
 [ -f .smol-pdraft/model.safetensors ] && mkdir -p /tmp/smol-draft && cp -n .smol-pdraft/* /tmp/smol-draft/
 [ -f /tmp/smol-draft/model.safetensors ] || { echo "gpu_reliability: carry .smol-pdraft" >&2; exit 2; }
 # Servers of an earlier call that was cut off run in sessions of their own: clear the GPU first.
@@ -40,8 +42,9 @@ gpu_model /tmp/smollm2 || { echo "gpu_reliability: SmolLM2 parts incomplete"; ex
 pkill -f '^[^ ]*python[^ ]* -m sglang[.]launch_server' && sleep 5
 export DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smol-draft
 results=${OUT:-$PWD/gpu-results}
-if [ "$1" = --beside-load ]; then
-    shift
+if [ "$1" = --beside-load ] || [ "$1" = --beside-load-tests ]; then
+    beside="reliability and ($2)"
+    [ "$1" = --beside-load-tests ] && beside=$2
     rm -f "$results/load-servers-up"
     DFLASH_PYTEST_LOG=pytest-load.log bash lab/gpu_tests.sh "reliability and load" > /dev/null 2>&1 &
     load=$!
@@ -49,7 +52,7 @@ if [ "$1" = --beside-load ]; then
         [ -f "$results/load-servers-up" ] || ! kill -0 $load 2> /dev/null && break
         sleep 5
     done
-    bash lab/gpu_tests.sh "reliability and ($1)"
+    bash lab/gpu_tests.sh "$beside"
     wait $load
     tail -5 "$results/pytest-load.log"
 else
