@@ -14,7 +14,8 @@
 #       3-4 minutes a server (Triton compiles, graph capture), later ones about a minute, and plain
 #       decoding restarts after each of the four requests that end it (about a minute each).
 #   DFLASH_LOAD_PAIRS=qwen3.5-hybrid DFLASH_HYBRID_RUNS=plugin_switching bash lab/gpu_reliability.sh --beside-load-tests "hybrid and not reliability"
-#       the same, with any GPU tests beside the load (the expression is gpu_tests.sh's as it stands)
+#       the same, with any GPU tests beside the load (the expression is gpu_tests.sh's as it stands;
+#       they run without DFLASH_TARGET, which would point the bf16 rule's calibration at SmolLM2)
 # What fits one call (0.5.23, H200, 2026-12-02): plain decoding's odd requests on a fresh machine
 # (7 minutes); the plugin's and the built-in's beside one 300 s load (the SmolLM2 load ends, the
 # hybrid's, which starts 2.5 minutes later, does not: give each load pair its own call or a shorter
@@ -43,8 +44,8 @@ pkill -f '^[^ ]*python[^ ]* -m sglang[.]launch_server' && sleep 5
 export DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smol-draft
 results=${OUT:-$PWD/gpu-results}
 if [ "$1" = --beside-load ] || [ "$1" = --beside-load-tests ]; then
-    beside="reliability and ($2)"
-    [ "$1" = --beside-load-tests ] && beside=$2
+    beside="reliability and ($2)" unset=()
+    [ "$1" = --beside-load-tests ] && beside=$2 unset=(-u DFLASH_TARGET -u DFLASH_DRAFT)
     rm -f "$results/load-servers-up"
     DFLASH_PYTEST_LOG=pytest-load.log bash lab/gpu_tests.sh "reliability and load" > /dev/null 2>&1 &
     load=$!
@@ -52,7 +53,7 @@ if [ "$1" = --beside-load ] || [ "$1" = --beside-load-tests ]; then
         [ -f "$results/load-servers-up" ] || ! kill -0 $load 2> /dev/null && break
         sleep 5
     done
-    bash lab/gpu_tests.sh "$beside"
+    env "${unset[@]}" bash lab/gpu_tests.sh "$beside"
     wait $load
     tail -5 "$results/pytest-load.log"
 else

@@ -5,7 +5,7 @@
 Each DIR holds ``reliability-<release>-{odd,openai,load}.json`` of one GPU run; later DIRs add to
 earlier ones. Prints, per release: ``odd`` {case: {ar, builtin, plugin}} (served, refused, crashed
 or error), ``load`` {pair: {seconds, requests, aborts, errors, kv_idle, state_idle, gpu_mem_mb,
-host_rss_mb}}, ``empty_prompt_cause`` (what plain decoding died of) and ``openai_client`` {case:
+host_rss_mb, cancelled_share, late_growth_mb}}, ``empty_prompt_cause`` (what plain decoding died of) and ``openai_client`` {case:
 same or differs}, with the files each came from under ``evidence``.
 """
 
@@ -19,6 +19,7 @@ import re
 import sys
 
 from sglang_dflash.bench.openai_client import verdicts
+from sglang_dflash.bench.stress import late_growth
 
 FILE = re.compile(r"reliability-(?P<release>[0-9.]+)-(?P<part>odd|openai|load)\.json$")
 
@@ -54,7 +55,10 @@ def load_table(report: dict) -> dict:
             "gpu_mem_mb": [start.get("memory", {}).get("gpu_mb"), end.get("memory", {}).get("gpu_mb")],
             "host_rss_mb": [start.get("memory", {}).get("host_rss_mb"), end.get("memory", {}).get("host_rss_mb")],
             "output_tok_s": r.get("output_tok_s"),
+            "cancelled_share": round(r["aborted"] / r["requests"], 3) if r["requests"] else None,
         }
+        if "memory_series" in r:  # readings through the load: what grew after its middle
+            out[pair]["late_growth_mb"] = {k: late_growth(r["memory_series"], k) for k in ("gpu_mb", "host_rss_mb")}
     return out
 
 

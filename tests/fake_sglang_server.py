@@ -81,7 +81,10 @@ def make_handler(args):
                       flush=True)
             params = req.get("sampling_params", {})
             prompt = req.get("text") or " ".join(map(str, req.get("input_ids", [])))
-            total = min(params.get("max_new_tokens", 16), 4 + len(prompt) % 29)
+            # an EOS after a few tokens, as SGLang does unless the request ignores it
+            total = params.get("max_new_tokens", 16)
+            if not params.get("ignore_eos"):
+                total = min(total, 4 + len(prompt) % 29)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()

@@ -302,6 +302,7 @@ def test_the_reliability_evidence_reads_into_the_summary_form(tmp_path):
     smol = rel["load"]["smollm2"]
     assert smol["aborts"] == 230 and smol["kv_idle"] and smol["state_idle"]
     assert smol["gpu_mem_mb"] == [40000, 40010] and smol["host_rss_mb"] == [3000, 3050]
+    assert smol["cancelled_share"] == 0.256 and "late_growth_mb" not in smol  # no readings in between
     assert len(rel["evidence"]) == 3
     empty = subprocess.run([sys.executable, os.path.join(root, "lab", "reliability_summary.py"), str(tmp_path / "x")],
                            capture_output=True, text=True)
@@ -312,10 +313,13 @@ def test_the_reliability_evidence_reads_into_the_summary_form(tmp_path):
     later.mkdir()
     (later / "reliability-0.5.23-odd.json").write_text(json.dumps({"by_impl": {"builtin": {"outcomes": {
         "empty text": {"outcome": "crashed", "status": 0, "cause": "RuntimeError: cannot reshape"}}}}}))
-    (later / "reliability-0.5.23-load.json").write_text(json.dumps({**load, "pairs": {"qwen3.5-hybrid": load["pairs"]["smollm2"]}}))
+    series = [{"t_s": t, "gpu_mb": 40000 + t, "host_rss_mb": 3000 + min(t, 100)} for t in (0, 50, 100, 150, 200)]
+    hybrid = {**load["pairs"]["smollm2"], "memory_series": series}
+    (later / "reliability-0.5.23-load.json").write_text(json.dumps({**load, "pairs": {"qwen3.5-hybrid": hybrid}}))
     out = subprocess.run([sys.executable, os.path.join(root, "lab", "reliability_summary.py"), str(tmp_path), str(later)],
                          capture_output=True, text=True, check=True)
     rel = json.loads(out.stdout)["0.5.23"]
     assert rel["odd"]["empty text"] == {"ar": "crashed", "plugin": "refused", "builtin": "crashed"}
     assert rel["empty_prompt_cause"].count("ar: crashed") == 1 and "builtin: crashed" in rel["empty_prompt_cause"]
     assert set(rel["load"]) == {"smollm2", "qwen3.5-hybrid"} and len(rel["evidence"]) == 5
+    assert rel["load"]["qwen3.5-hybrid"]["late_growth_mb"] == {"gpu_mb": 100, "host_rss_mb": 0}

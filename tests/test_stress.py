@@ -90,6 +90,63 @@ def test_a_servers_memory_is_its_whole_process_trees_gpu_and_resident_memory(mon
                 break
             time.sleep(0.05)
         assert got["gpu_mb"] == 700 and 64 <= got["host_rss_mb"] < 1024, got
+        assert sum(got["host_rss_mb_by_process"].values()) == got["host_rss_mb"]
+        assert list(got["host_rss_mb_by_process"]) == ["server"]
     finally:
         child.kill()
         child.wait()
+
+
+def test_every_planned_cancel_lands_mid_stream_even_on_requests_that_would_end_early(fake, tmp_path):
+    """A quarter cancelled means a quarter: a third of the mix asks for one token, others stop early,
+    so a cancel is sent at full length with nothing that ends it first."""
+    out = tmp_path / "load.json"
+    rc = stress.main(["--base-url", fake("--delay-ms", "2"), "--out", str(out), "--settle-seconds", "5",
+                      "load", "--concurrency", "8", "--seconds", "2", "--abort-fraction", "1", "--mixed-params"])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["requests"] > 8 and report["aborted"] == report["requests"], report
+
+
+def test_a_cancellable_request_keeps_its_parameters_but_nothing_that_ends_it_early():
+    payload = {"text": "x", "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 1, "stop": ["the"], "regex": "[a-z]+", "min_new_tokens": 1,
+                                   "ignore_eos": False, "temperature": 0.8}}
+    got = stress.cancellable(payload, 256)
+    assert got == {"text": "x", "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": 256, "ignore_eos": True, "temperature": 0.8}}
+    assert payload["sampling_params"]["max_new_tokens"] == 1  # the plan's payloads are not changed
+
+
+def test_the_load_reads_memory_as_it_goes_and_a_failed_reading_does_not_stop_it(fake, monkeypatch):
+    readings = iter([{"gpu_mb": 1, "host_rss_mb": 10}, RuntimeError("nvidia-smi went away")])
+
+    def probe():
+        got = next(readings, {"gpu_mb": 1, "host_rss_mb": 11})
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    report = stress.run_load(fake("--delay-ms", "5"), concurrency=4, seconds=1.2, settle_s=1,
+                             memory_probe=probe, memory_every_s=0.25)
+    series = report["memory_series"]
+    assert len(series) >= 4 and series[0] == {"t_s": 0.0, "gpu_mb": 1, "host_rss_mb": 10}
+    assert series[1]["error"] == "RuntimeError: nvidia-smi went away" and series[-1]["host_rss_mb"] == 11
+    assert [s["t_s"] for s in series] == sorted(s["t_s"] for s in series)
+
+
+def test_server_processes_are_named_by_their_role():
+    from sglang_dflash.bench.server import process_role
+
+    assert process_role(["python", "-m", "sglang.launch_server"], "python", True) == "server"
+    assert process_role(["sglang::scheduler_TP0"], "sglang::schedul", False) == "sglang::scheduler_TP0"
+    assert process_role(["sglang::detokenizer   "], "sglang::detoken", False) == "sglang::detokenizer"
+    assert process_role(["python", "-c", "x"], "python3", False) == "python3"
+    assert process_role([], "zombie", False) == "zombie"
+
+
+def test_late_growth_is_what_grew_after_the_middle_reading():
+    series = [{"t_s": 0, "host_rss_mb": 100}, {"t_s": 30, "host_rss_mb": 900}, {"t_s": 60, "error": "x"},
+              {"t_s": 90, "host_rss_mb": 1000}, {"t_s": 120, "host_rss_mb": 1010}]
+    assert stress.late_growth(series, "host_rss_mb") == 10  # from the first reading at or past the middle (t=90)
+    assert stress.late_growth(series[:2], "host_rss_mb") is None
+    assert stress.late_growth(series, "gpu_mb") is None

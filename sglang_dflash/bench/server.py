@@ -247,6 +247,15 @@ def process_tree(root: int) -> list[int]:
         return []
 
 
+def process_role(cmdline: list[str], name: str, is_root: bool) -> str:
+    """What a server process is: SGLang titles its workers (``sglang::scheduler``,
+    ``sglang::detokenizer``); the launched process serves HTTP and tokenizes."""
+    if is_root:
+        return "server"
+    title = cmdline[0].split()[0] if cmdline and cmdline[0].strip() else name
+    return title if title.startswith("sglang::") else name
+
+
 def pin_process_tree(root: int, cpus: tuple) -> None:
     """Every thread of ``root`` and its descendants onto ``cpus`` (threads made later inherit it)."""
     import psutil
@@ -413,13 +422,16 @@ class Server:
 
         pids = set(process_tree(self.proc.pid)) if self.proc is not None else set()
         gpu = sum(mib for pid, mib in gpu_processes() if pid in pids)
-        rss = 0
+        by_process: dict = {}
         for pid in pids:
             try:
-                rss += psutil.Process(pid).memory_info().rss
+                proc = psutil.Process(pid)
+                role = process_role(proc.cmdline(), proc.name(), pid == self.proc.pid)
+                by_process[role] = by_process.get(role, 0) + proc.memory_info().rss
             except psutil.Error:  # ended meanwhile
                 pass
-        return {"gpu_mb": gpu, "host_rss_mb": rss // 2**20}
+        return {"gpu_mb": gpu, "host_rss_mb": sum(by_process.values()) // 2**20,
+                "host_rss_mb_by_process": {k: v // 2**20 for k, v in sorted(by_process.items())}}
 
     def log_tail(self, lines: int = 40) -> str:
         try:

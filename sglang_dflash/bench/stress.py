@@ -110,24 +110,62 @@ def run_aborts(base_url: str, requests: int, abort_fraction: float, concurrency:
             **after_run(base_url, before, settle_s)}
 
 
+def cancellable(payload: dict, max_new_tokens: int) -> dict:
+    """``payload`` at full length with nothing that ends it early (stops, a regex, EOS), so a client
+    that hangs up after at most 8 chunks always does so mid-stream."""
+    params = {k: v for k, v in payload["sampling_params"].items() if k not in ("stop", "regex", "min_new_tokens")}
+    return {**payload, "sampling_params": {**params, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+
+
+def sample_memory(probe, stop: threading.Event, every_s: float, series: list) -> None:
+    """``probe()`` every ``every_s`` seconds until ``stop``, each reading stamped with its second."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            series.append({"t_s": round(time.perf_counter() - t0, 1), **probe()})
+        except Exception as e:  # a reading is evidence, never a reason to stop the load
+            series.append({"t_s": round(time.perf_counter() - t0, 1), "error": f"{type(e).__name__}: {e}"})
+        if stop.wait(every_s):
+            return
+
+
+def late_growth(series: list, key: str) -> int | None:
+    """How much ``key`` grew over the second half of a memory series: warm-up (compiles, caches,
+    allocator pools) is done by then, so what still grows is a leak. None with under 3 readings."""
+    points = [(r["t_s"], r[key]) for r in series if key in r]
+    if len(points) < 3:
+        return None
+    middle = next(p for p in points if p[0] >= points[-1][0] / 2)
+    return points[-1][1] - middle[1]
+
+
 def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max_new_tokens: int = 256,
-             settle_s: float = 60, abort_fraction: float = 0.0, mixed_params: bool = False) -> dict:
+             settle_s: float = 60, abort_fraction: float = 0.0, mixed_params: bool = False,
+             memory_probe=None, memory_every_s: float = 30) -> dict:
     """``concurrency`` requests in flight for ``seconds``; with ``abort_fraction`` that share of them
-    is dropped mid-stream, with ``mixed_params`` each takes one of :func:`mixed_request`'s sets."""
+    is dropped mid-stream (each at full length, see :func:`cancellable`), with ``mixed_params`` each
+    takes one of :func:`mixed_request`'s sets. ``memory_probe()`` (for example ``Server.memory``) is
+    read every ``memory_every_s`` seconds: growth that levels off is warm-up, growth that keeps on is
+    a leak, which two readings cannot tell apart."""
     payloads = mixed_payloads(4096, seed, 400, max_new_tokens)
     if mixed_params:
         rng = random.Random(seed + 2)
         payloads = [mixed_request(rng, p) for p in payloads]
     before = settle(base_url, settle_s)
     stop_at = time.perf_counter() + seconds
-    lock, results, latencies = threading.Lock(), [], []
+    lock, results, latencies, series, done = threading.Lock(), [], [], [], threading.Event()
+    sampler = None
+    if memory_probe is not None:
+        sampler = threading.Thread(target=sample_memory, args=(memory_probe, done, memory_every_s, series), daemon=True)
+        sampler.start()
 
     def worker(i):
         k, rng = i, random.Random(seed * 1000 + i)
         while time.perf_counter() < stop_at:
             t = time.perf_counter()
             cut = rng.randint(1, 8) if rng.random() < abort_fraction else None
-            r = stream(base_url, payloads[k % len(payloads)], cut)
+            payload = payloads[k % len(payloads)]
+            r = stream(base_url, payload if cut is None else cancellable(payload, max_new_tokens), cut)
             with lock:
                 results.append(r)
                 if r["status"] == "completed":
@@ -141,10 +179,14 @@ def run_load(base_url: str, concurrency: int, seconds: float, seed: int = 0, max
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    done.set()
+    if sampler is not None:
+        sampler.join()
     tokens = sum(r["tokens"] for r in results)
     latencies.sort()
     return {"mode": "load", "concurrency": concurrency, "seconds": seconds, "wall_s": round(wall, 1),
             "requests": len(results), "aborted": sum(r["status"] == "aborted" for r in results),
+            "cancel_share_planned": abort_fraction, **({"memory_series": series} if memory_probe else {}),
             "errors": sum(r["status"] == "error" for r in results),
             "errors_sample": [r.get("error") for r in results if r["status"] == "error"][:5],
             "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1),

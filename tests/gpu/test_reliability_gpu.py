@@ -14,7 +14,8 @@ tokenizer adds no BOS, so an empty text is an empty prompt, which once ended a 0
 - ``load``: the plugin with its defaults at c64 for ``DFLASH_LOAD_SECONDS`` (300) with mixed
   parameters and a quarter of the requests cancelled mid-stream, on SmolLM2 and on the tiny
   Qwen3.5 hybrid at once (``DFLASH_LOAD_PAIRS``): no error but the cancels, KV, recurrent-state
-  slots and request slots back to idle, GPU and host memory read at start and end.
+  slots and request slots back to idle, GPU and host memory read every 30 s: what grows in the
+  second half, once compiles and caches have warmed, is a leak (at most ``LATE_GROWTH_MB``).
 Evidence goes to ``DFLASH_GPU_RESULTS`` as ``reliability-<release>-*.json``.
 """
 
@@ -32,7 +33,7 @@ from sglang_dflash import compat
 from sglang_dflash.bench import odd_inputs, openai_client
 from sglang_dflash.bench.client import kv_loads, server_info
 from sglang_dflash.bench.server import Server, ServerSpec, exit_on_sigterm
-from sglang_dflash.bench.stress import alive, run_load
+from sglang_dflash.bench.stress import alive, late_growth, run_load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.reliability]
 exit_on_sigterm()  # a call's `timeout` ends the run through the finally blocks that stop the servers
@@ -44,6 +45,7 @@ ODD_CASES = [c.strip() for c in os.environ.get("DFLASH_ODD_CASES", "").split(","
 LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", 300))
 LOAD_PAIRS = os.environ.get("DFLASH_LOAD_PAIRS", "smollm2,qwen3.5-hybrid").split(",")
 CANCEL_SHARE = 0.25
+LATE_GROWTH_MB = 128  # GPU or host memory gained over a load's second half
 # A user's server as the crash was reported on: triton, 64 slots; SGLang's own grammar backend and
 # CUDA graphs. A fixed share of memory each, so servers side by side all fit.
 USER_FLAGS = ["--attention-backend", "triton", "--max-running-requests", "64", "--mem-fraction-static", "0.3",
@@ -190,7 +192,7 @@ def test_reliability_load_with_cancels_leaves_the_servers_idle():
     def load(pair, start):
         s = servers[pair]
         report = run_load(s.url, concurrency=64, seconds=LOAD_SECONDS, abort_fraction=CANCEL_SHARE,
-                          mixed_params=True)
+                          mixed_params=True, memory_probe=s.memory)
         report.update(start=start, end={"memory": s.memory(), "idle": idle_counters(s.url)},
                       alive_after=alive(s.url), dflash=server_info(s.url).get("dflash"))
         with saving:  # each pair's report as it ends: a call cut short keeps the pairs that finished
@@ -213,7 +215,10 @@ def test_reliability_load_with_cancels_leaves_the_servers_idle():
     assert set(reports) == set(servers), ("a load ended without its report", sorted(reports))
     for pair, r in reports.items():
         assert r["alive_after"] and r["errors"] == 0, (pair, r["errors_sample"])
-        assert r["aborted"] >= 0.15 * r["requests"], (pair, r["aborted"], r["requests"])
+        # planned cancels always land mid-stream; a slow client may read two steps as one chunk
+        assert r["aborted"] >= 0.9 * CANCEL_SHARE * r["requests"], (pair, r["aborted"], r["requests"])
         end, first = r["end"]["idle"], r["start"]["idle"]
         assert end["kv_used_tokens"] == first["kv_used_tokens"] == 0, (pair, first, end)
         assert end["running_reqs"] == 0 and end["state_slots_used"] in (None, 0), (pair, end)
+        late = {k: late_growth(r["memory_series"], k) for k in ("gpu_mb", "host_rss_mb")}
+        assert all(v is not None and v <= LATE_GROWTH_MB for v in late.values()), (pair, late)
