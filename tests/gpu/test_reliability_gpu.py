@@ -16,6 +16,8 @@ tokenizer adds no BOS, so an empty text is an empty prompt, which once ended a 0
   Qwen3.5 hybrid at once (``DFLASH_LOAD_PAIRS``): no error but the cancels, KV, recurrent-state
   slots and request slots back to idle, GPU and host memory read every 30 s: what grows in the
   second half, once compiles and caches have warmed, is a leak (at most ``LATE_GROWTH_MB``).
+  ``DFLASH_LOAD_IMPL=ar`` puts plain decoding under the same load, the reference for its throughput
+  (``reliability-<release>-load-ar.json``).
 Evidence goes to ``DFLASH_GPU_RESULTS`` as ``reliability-<release>-*.json``.
 """
 
@@ -44,6 +46,7 @@ ODD_IMPLS = os.environ.get("DFLASH_ODD_IMPLS", "ar,builtin,plugin").split(",")
 ODD_CASES = [c.strip() for c in os.environ.get("DFLASH_ODD_CASES", "").split(",") if c.strip()]
 LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", 300))
 LOAD_PAIRS = os.environ.get("DFLASH_LOAD_PAIRS", "smollm2,qwen3.5-hybrid").split(",")
+LOAD_IMPL = os.environ.get("DFLASH_LOAD_IMPL", "plugin")  # ar: plain decoding under the same load
 CANCEL_SHARE = 0.25
 LATE_GROWTH_MB = 128  # GPU or host memory gained over a load's second half
 # A user's server as the crash was reported on: triton, 64 slots; SGLang's own grammar backend and
@@ -167,11 +170,9 @@ def test_reliability_openai_client_matches_plain_decoding():
 
 
 def load_server(pair):
-    if pair == "smollm2":
-        target, draft = real_pair()
-        return ServerSpec("plugin", target, draft, None, USER_FLAGS)
-    target, draft = hybrid_pair()
-    return ServerSpec("plugin", target, draft, None, USER_FLAGS + HYBRID_FLAGS)
+    target, draft = real_pair() if pair == "smollm2" else hybrid_pair()
+    flags = USER_FLAGS + (HYBRID_FLAGS if pair != "smollm2" else [])
+    return ServerSpec(LOAD_IMPL, target, None if LOAD_IMPL == "ar" else draft, None, flags)
 
 
 def idle_counters(url):
@@ -185,7 +186,7 @@ def idle_counters(url):
 def test_reliability_load_with_cancels_leaves_the_servers_idle():
     """Servers start one at a time; each takes its load as soon as it is up (a server that serves
     does not move memory under a neighbour's start as a starting one does)."""
-    servers = {pair: Server(load_server(pair), log_path=os.path.join(RESULTS, f"server-load-{pair}.log"),
+    servers = {pair: Server(load_server(pair), log_path=os.path.join(RESULTS, f"server-load-{LOAD_IMPL}-{pair}.log"),
                             timeout_s=600) for pair in LOAD_PAIRS}
     reports, threads, saving = {}, [], threading.Lock()
 
@@ -197,7 +198,8 @@ def test_reliability_load_with_cancels_leaves_the_servers_idle():
                       alive_after=alive(s.url), dflash=server_info(s.url).get("dflash"))
         with saving:  # each pair's report as it ends: a call cut short keeps the pairs that finished
             reports[pair] = report
-            save("load", {"seconds": LOAD_SECONDS, "cancel_share": CANCEL_SHARE, "pairs": reports})
+            save("load" if LOAD_IMPL == "plugin" else f"load-{LOAD_IMPL}",
+                 {"impl": LOAD_IMPL, "seconds": LOAD_SECONDS, "cancel_share": CANCEL_SHARE, "pairs": reports})
 
     try:
         for pair, s in servers.items():
