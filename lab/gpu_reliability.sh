@@ -17,14 +17,15 @@
 #       the same, with any GPU tests beside the load (the expression is gpu_tests.sh's as it stands;
 #       they run without DFLASH_TARGET, which would point the bf16 rule's calibration at SmolLM2)
 # What fits one call (0.5.23, H200, 2026-12-02): plain decoding's odd requests on a fresh machine
-# (7 minutes); the plugin's and the built-in's beside one 300 s load (the SmolLM2 load ends, the
-# hybrid's, which starts 2.5 minutes later, does not: give each load pair its own call or a shorter
-# DFLASH_LOAD_SECONDS); openai alone (two float32 servers, prefills eager).
-# DFLASH_ODD_IMPLS, DFLASH_ODD_CASES and DFLASH_LOAD_PAIRS split the group across calls;
-# reliability_summary.py joins them. What 0.5.23 still lacks (2026-12-02), a call each:
-#   DFLASH_ODD_IMPLS=builtin DFLASH_ODD_CASES="negative token id,huge top_logprobs_num,empty prompt on /v1/completions,empty text" bash lab/gpu_reliability.sh odd_requests
-#   DFLASH_LOAD_PAIRS=smollm2,qwen3.5-hybrid DFLASH_LOAD_SECONDS=300 bash lab/gpu_reliability.sh load
-#   bash lab/gpu_reliability.sh openai
+# (7 minutes); on a warm machine a 300 s load beside the openai test (415 s) or beside the hybrid
+# switching test (514 s). On a fresh machine a 300 s load ends too late beside anything (kit and
+# SmolLM2 set-up 1.5 minutes, a first start 3): give it a warm machine or its own call.
+# DFLASH_ODD_IMPLS, DFLASH_ODD_CASES, DFLASH_LOAD_PAIRS and DFLASH_LOAD_IMPL (ar: plain decoding
+# under the same load) split the group across calls; reliability_summary.py joins them. What 0.5.23
+# still lacks (2026-12-02), a call each on a warm machine:
+#   DFLASH_LOAD_PAIRS=smollm2 DFLASH_ODD_IMPLS=builtin DFLASH_ODD_CASES="empty prompt on /v1/completions,empty text" bash lab/gpu_reliability.sh --beside-load odd_requests
+#   DFLASH_LOAD_PAIRS=qwen3.5-hybrid DFLASH_HYBRID_RUNS=plugin_switching bash lab/gpu_reliability.sh --beside-load-tests "hybrid and not reliability"
+#   DFLASH_LOAD_IMPL=ar DFLASH_LOAD_PAIRS=smollm2 bash lab/gpu_reliability.sh load
 # SGLANG_VERSION picks the release (default 0.5.23). Evidence and server logs go to $OUT.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail

@@ -84,6 +84,9 @@ def summarize(dirs: list[str], root: str = ".") -> dict:
             else:
                 rel.setdefault("load", {}).update(load_table(report))
             rel["evidence"].append(os.path.relpath(path, root))
+    for rel in summary.values():  # the servers in one order, whichever call measured them first
+        if "odd" in rel:
+            rel["odd"] = {case: dict(sorted(by_impl.items())) for case, by_impl in rel["odd"].items()}
     return summary
 
 
