@@ -320,6 +320,20 @@ class SGLangRelease:
 
     # ---- request parameters --------------------------------------------------------------
 
+    @staticmethod
+    def request_row(req) -> int:
+        """A request's row in SGLang's request table (``req.kv`` holds it on 0.5.23)."""
+        kv = getattr(req, "kv", None)
+        row = getattr(kv, "req_pool_idx", None) if kv is not None else None
+        return req.req_pool_idx if row is None else row
+
+    @staticmethod
+    def row_generation(req_to_token_pool, row: int) -> Optional[int]:
+        """How many times SGLang has handed ``row`` to a request (a chunk continuation keeps it;
+        0.5.17 and 0.5.23 alike, a host tensor); None where the pool does not count."""
+        generations = getattr(req_to_token_pool, "req_generation", None)
+        return None if generations is None else int(generations[row])
+
     def min_new_tokens_stop_ids(self, req) -> set:
         """The tokens SGLang's min_new_tokens penalizer holds back on this release."""
         ids = set(req.sampling_params.stop_token_ids or ())
@@ -383,6 +397,7 @@ class SGLangRelease:
             Symbol("sglang.srt.plugins.hook_registry", "HookRegistry.register"),
             Symbol("sglang.srt.plugins.hook_registry", "HookType"),
             Symbol("sglang.srt.models.registry", "ModelRegistry"),
+            Symbol("sglang.srt.model_executor.pool_configurator", "MemoryPoolConfig"),  # the draft ring's size
             Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_cuda"),
             Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_native"),
             Symbol("sglang.srt.layers.layernorm", "GemmaRMSNorm.forward_cuda"),

@@ -55,6 +55,7 @@ WIDTH_POLICIES = ("throughput", "awake", "cycle")
 FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
 FALLBACK_MODES = ("on", "off", "force")
 RAGGED_ENV = "SGLANG_DFLASH_RAGGED"
+DRAFT_RING_ENV = "SGLANG_DFLASH_DRAFT_RING"
 # The lm_head rows the draft's greedy head reads: "auto" (the default: the 32768 tokens served most
 # often when the vocabulary holds at least twice as many), "full", or a row count.
 DRAFT_VOCAB_ENV = "SGLANG_DFLASH_DRAFT_VOCAB"
@@ -190,6 +191,15 @@ def draft_fallback(widths: tuple[int, ...]) -> str:
         raise DFlashConfigError(FALLBACK_ENV, f"{mode!r} needs width 1 among the verify widths "
                                               f"({WIDTHS_ENV}=auto or a list holding 1)")
     return mode or ("on" if 1 in widths else "off")
+
+
+def draft_ring() -> bool:
+    """Draft K/V bounded by ``--speculative-draft-window-size``: a ring of W + B slots per request
+    (:class:`~sglang_dflash.draft.DraftRing`; opt-in until measured on a GPU)."""
+    value = os.environ.get(DRAFT_RING_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise DFlashConfigError(DRAFT_RING_ENV, f"must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def ragged_verify() -> bool:
@@ -731,6 +741,9 @@ def validate_server_args(server_args, release) -> tuple[DFlashDraftConfig, Targe
             f"must be an integer >= the block size {config.block_size} (the draft sees at least one block), "
             f"got {window!r}",
         )
+    if draft_ring() and window is None:
+        raise DFlashConfigError(DRAFT_RING_ENV, "bounds draft KV by the draft window: it needs "
+                                                "--speculative-draft-window-size")
     verify_widths(config.block_size)  # the experimental switches, checked before any process starts
     width_policy_kind()
     return config, target

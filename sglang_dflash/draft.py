@@ -1,11 +1,13 @@
 """The draft side of a decode step, as the worker holds it: the block a draft pass hands to the
 verify (:class:`DraftBlock`), the per-step tensors it is built in (:class:`StepBuffers`), the
-draft's own request table when it attends to a window (:class:`DraftWindow`), and the greedy
+draft's own request table when it attends to a window (:class:`DraftWindow`; :class:`DraftRing`
+keeps only the window's K/V), and the greedy
 head that turns the draft's hidden states into tokens with the target's lm_head
 (:class:`GreedyDraftHead`), over the rows of the tokens served most often (:class:`DraftVocab`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from .ops.fp8 import FP8, Fp8RowwiseLinear
 from .ops.ragged import RaggedLanes
+from .sampling import to_device_async
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -93,6 +96,66 @@ class DraftWindow:
         cols = ((seq_lens - ctx_lens)[:, None] + self.cols).clamp_(max=req_to_token.shape[1] - 1)
         self.pool.req_to_token[req_pool_indices] = req_to_token[req_pool_indices[:, None], cols]
         return ctx_lens
+
+
+class DraftRing(DraftWindow):
+    """``SGLANG_DFLASH_DRAFT_RING=1`` under ``--speculative-draft-window-size W``: draft K/V in a
+    ring of ``R = W + B`` slots per request row, so draft memory is bounded by the window, not the
+    context (docs/design/draft-window-memory.md, option B with a cold window on radix hits).
+
+    Position ``p`` of row ``r`` lives at slot ``r * R + p % R``; row 0 is SGLang's dummy row, where
+    padded graph rows land. The window ``[s - W, s)`` and the block ``[s, s + B)`` never share a
+    slot. Nothing is kept for a cached prefix: a request that starts on a row (a new owner, or
+    SGLang's row generation moved on) attends from its extend on (``lo``), growing back to W.
+    """
+
+    def __init__(self, size: int, block_size: int, shared_pool, device):
+        super().__init__(size, block_size, shared_pool, device)
+        self.ring = size + block_size
+        self.rows = shared_pool.size + 1  # SGLang's request rows, dummy row 0 included
+        self.tokens = self.rows * self.ring  # the draft's whole KV pool, fixed at start
+        self.lo = torch.zeros(self.rows, dtype=torch.int64, device=device)  # first position the row holds
+        self.owners: dict[int, tuple] = {}  # row -> (rid, generation) that wrote it last
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The ring slot of each position; ``rows`` per position, or per request (each request's
+        positions contiguous and equally many, as in a block)."""
+        if rows.numel() != positions.numel():
+            rows = rows.reshape(-1, 1).expand(-1, positions.numel() // max(rows.numel(), 1)).reshape(-1)
+        return (rows.reshape(positions.shape).to(torch.int64) * self.ring + positions.to(torch.int64) % self.ring)
+
+    def fill(self, req_pool_indices, seq_lens, req_to_token=None) -> torch.Tensor:
+        """Rewrite this batch's rows with ring slots; returns each request's attended context length:
+        the last W positions, or those since the row's owner started on it."""
+        lo = self.lo[req_pool_indices]
+        ctx_lens = torch.clamp(torch.minimum(seq_lens.to(torch.int64) - lo, torch.full_like(lo, self.size)), min=0)
+        positions = (seq_lens.to(torch.int64) - ctx_lens)[:, None] + self.cols
+        table = req_pool_indices.to(torch.int64)[:, None] * self.ring + positions % self.ring
+        self.pool.req_to_token[req_pool_indices] = table.to(self.pool.req_to_token.dtype)
+        return ctx_lens.to(seq_lens.dtype)
+
+    def start_extend(self, rows: list[int], owners: list[tuple], prefix_lens: list[int]) -> None:
+        """Before a prefill's writes: a row with a new owner holds nothing before its prefix."""
+        fresh = [(r, p) for r, o, p in zip(rows, owners, prefix_lens) if self.owners.get(r) != o]
+        for r, o in zip(rows, owners):
+            self.owners[r] = o
+        if fresh:  # pinned and async: a prefill must not wait for the step in flight
+            index = to_device_async(torch.tensor([r for r, _ in fresh], dtype=torch.int64), self.lo.device)
+            value = to_device_async(torch.tensor([p for _, p in fresh], dtype=torch.int64), self.lo.device)
+            self.lo.index_copy_(0, index, value)
+
+    def kept(self, extend_lens: list[int]) -> list[int]:
+        """Offsets into a prefill's tokens worth writing: each request's last W (older ones are
+        overwritten before any window reads them, and one scatter must not hit a slot twice)."""
+        out, start = [], 0
+        for n in extend_lens:
+            out.extend(range(start + max(0, n - self.size), start + n))
+            start += n
+        return out
+
+    def pool_config(self, config):
+        """SGLang's memory pool config for the draft runner, sized to the ring."""
+        return dataclasses.replace(config, max_total_num_tokens=self.tokens)
 
 
 def draft_weights_fp8(draft_model) -> bool:

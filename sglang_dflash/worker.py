@@ -44,6 +44,7 @@ draft input at most a subclass): the scheduler, FutureMap and attention backends
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -65,10 +66,10 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
-from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo, context_in_verify_graph,
-                     draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
+from .config import (DRAFT_RING_ENV, DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
+                     context_in_verify_graph, draft_fallback, draft_ring, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
                      widths_by_default, width_policy_kind)
-from .draft import DraftBlock, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
+from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
@@ -124,6 +125,7 @@ class ContextInVerifyGraph:
     def __init__(self, write_context_kv):
         self.write_context_kv = write_context_kv
         self.runners: set[int] = set()  # graph runners whose graphs (verify, or width-1 decode) hold the write
+        self.ring: Optional[DraftRing] = None  # draft K/V in a ring: slots from the rows and positions
 
     def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
         mode = forward_batch.forward_mode
@@ -132,7 +134,10 @@ class ContextInVerifyGraph:
         hidden = getattr(out, "hidden_states", None)
         if hidden is None:
             return
-        self.write_context_kv(hidden, forward_batch.positions, forward_batch.out_cache_loc)
+        loc = forward_batch.out_cache_loc
+        if self.ring is not None:  # padded rows are row 0, SGLang's dummy row, in the ring as in the pool
+            loc = self.ring.slots(forward_batch.req_pool_indices, forward_batch.positions)
+        self.write_context_kv(hidden, forward_batch.positions, loc)
         self.runners.add(id(runner))
 
     def wrote(self, runner, ran_graph: bool) -> bool:
@@ -313,14 +318,44 @@ class DFlashWorker(BaseSpecWorker):
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
         # The draft KV buffer is its own, but indexed by the target's slots and (without a draft
-        # window) the target's request table.
+        # window) the target's request table; or, in a ring, by request row and position.
         if self.window_size is not None:
-            self.window = DraftWindow(int(self.window_size), self.block_size, req_to_token_pool, self.device)
+            why_not = self._draft_ring_unserved(memory_pool_config) if draft_ring() else "off"
+            if why_not is None:
+                self.window = DraftRing(int(self.window_size), self.block_size, req_to_token_pool, self.device)
+                memory_pool_config = self.window.pool_config(memory_pool_config)
+                if self.context_in_graph is not None:
+                    self.context_in_graph.ring = self.window
+                if get_parallel().tp_rank == 0:
+                    logger.info("DFLASH draft K/V in a ring of %d slots a request (window %d + block %d): "
+                                "%d tokens in all", self.window.ring, self.window.size, self.block_size,
+                                self.window.tokens)
+            else:
+                if why_not != "off" and get_parallel().tp_rank == 0:
+                    logger.warning("DFLASH %s=1 not served (%s): draft K/V is kept for every position",
+                                   DRAFT_RING_ENV, why_not)
+                self.window = DraftWindow(int(self.window_size), self.block_size, req_to_token_pool, self.device)
         self._draft_worker.alloc_memory_pool(
             memory_pool_config=memory_pool_config,
             req_to_token_pool=self.window.pool if self.window else req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
         )
+
+    def _draft_ring_unserved(self, memory_pool_config) -> Optional[str]:
+        """Why draft K/V cannot live in a ring here, or None. Whatever reads the draft pool by the
+        target's slot (the hierarchical cache's backup, PD transfer) or pages it would miss it."""
+        args = self.release.resolving(self.server_args)
+        if memory_pool_config is None or not dataclasses.is_dataclass(memory_pool_config):
+            return "this release hands the draft no pool config to size"
+        if self.ragged:
+            return f"not with {RAGGED_ENV}"
+        if getattr(args, "enable_hierarchical_cache", False):
+            return "the hierarchical cache backs draft K/V up by the target's slots"
+        if (getattr(args, "page_size", None) or 1) != 1:
+            return "page_size above 1"
+        if self.release.pd_role(args) is not None:
+            return "PD disaggregation moves draft K/V by the target's slots"
+        return None
 
     def init_attention_backends(self):
         if self.hybrid and not hasattr(self.model_runner.attn_backend, "update_mamba_state_after_mtp_verify"):
@@ -389,6 +424,7 @@ class DFlashWorker(BaseSpecWorker):
                 "stalls": self.stalls.report(), "bulk_prepare": bulk_prepare_serves(),
                 "block_attention": BLOCK_ROUTE.report(), "host_lengths": self.host_lengths_copied(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
+        info["draft_kv"] = self.draft_kv_report()
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
         if self.draft_head is not None and self.draft_head.rows_read is not None:
@@ -403,6 +439,16 @@ class DFlashWorker(BaseSpecWorker):
             info["fallback"] = {"policy": type(self.fallback).__name__, "requests": self.fallback.fallback_requests,
                                 "in_fallback": self.fallback.in_fallback()}
         return info
+
+    def draft_kv_report(self) -> dict:
+        """How the draft's K/V is kept: a row per target slot, or a ring per request (its size fixed
+        at start, whatever the context)."""
+        pool = getattr(self.draft_model_runner, "token_to_kv_pool", None)
+        report = {"layout": "ring" if isinstance(self.window, DraftRing) else "every position",
+                  "tokens": getattr(pool, "size", None), "window": self.window.size if self.window else None}
+        if isinstance(self.window, DraftRing):
+            report["ring_slots_per_request"] = self.window.ring
+        return report
 
     # ---- one scheduler step ------------------------------------------------------------------
 
@@ -473,7 +519,7 @@ class DFlashWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         if not context_written:
-            self.commit_context(logits_output.hidden_states, block, accepted.commit_len)
+            self.commit_context(logits_output.hidden_states, block, accepted.commit_len, batch.req_pool_indices)
         logits_output.hidden_states = None  # never copied to the host
         if self.width_policy is not None:
             self.time_step(width, bs, request_widths, stream)
@@ -548,11 +594,30 @@ class DFlashWorker(BaseSpecWorker):
         if hidden is None:
             raise RuntimeError("the target returned no tapped hidden states; does it support DFLASH capture?")
         # Write now: the scheduler may insert these tokens into the radix cache right after.
-        self.write_context_kv(hidden, extend_positions(batch.prefix_lens, batch.extend_lens, self.device),
-                              batch.out_cache_loc)
+        positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
+        if isinstance(self.window, DraftRing):
+            self.write_ring_prefill(batch, hidden, positions)
+        else:
+            self.write_context_kv(hidden, positions, batch.out_cache_loc)
         result.logits_output.hidden_states = None
         result.next_draft_input = make_draft_input(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
+
+    def write_ring_prefill(self, batch, hidden, positions) -> None:
+        """The prefill's draft context in the ring: each request's last W tokens, after its row is
+        claimed (a row with a new owner holds nothing before the request's prefix)."""
+        ring, pool = self.window, self.model_runner.req_to_token_pool
+        rows = [self.release.request_row(req) for req in batch.reqs]
+        owners = [(req.rid, self.release.row_generation(pool, row)) for req, row in zip(batch.reqs, rows)]
+        ring.start_extend(rows, owners, list(batch.prefix_lens))
+        kept = ring.kept(list(batch.extend_lens))
+        if not kept:
+            return
+        keep = to_device_async(torch.tensor(kept, dtype=torch.int64), self.device)
+        token_rows = to_device_async(torch.tensor([r for r, n in zip(rows, batch.extend_lens) for _ in range(n)],
+                                                  dtype=torch.int64), self.device)
+        kept_positions = positions[keep]
+        self.write_context_kv(hidden[keep], kept_positions, ring.slots(token_rows[keep], kept_positions))
 
     def draft_step(self, batch, bufs: dict, width: Optional[int] = None) -> DraftBlock:
         """One parallel draft pass over ``[bonus, mask...]``; returns the first ``width`` (default
@@ -581,6 +646,8 @@ class DFlashWorker(BaseSpecWorker):
         bs, B = len(batch.seq_lens), self.block_size
         embeds = self.model_runner.model.get_input_embeddings()(block_ids).view(bs * B, -1)
         draft_seq_lens, draft_seq_lens_cpu = batch.seq_lens, seq_lens_cpu
+        if isinstance(self.window, DraftRing):  # the block's own K/V goes to its ring slots too
+            cache_loc = self.window.slots(batch.req_pool_indices, positions.view(-1))
         if self.window is not None:
             draft_seq_lens = self.window.fill(
                 batch.req_pool_indices, batch.seq_lens, self.model_runner.req_to_token_pool.req_to_token
@@ -785,11 +852,15 @@ class DFlashWorker(BaseSpecWorker):
             req_pool_indices=batch.req_pool_indices,
         )
 
-    def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor) -> None:
+    def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor,
+                       req_pool_indices: Optional[torch.Tensor] = None) -> None:
         """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""
         if hidden is None:
             raise RuntimeError("target verify returned no tapped hidden states")
-        self.write_context_kv(hidden, block.positions, block.cache_loc, commit_len)
+        loc = block.cache_loc
+        if isinstance(self.window, DraftRing):
+            loc = self.window.slots(req_pool_indices, block.positions).view_as(block.cache_loc)
+        self.write_context_kv(hidden, block.positions, loc, commit_len)
 
     @torch.inference_mode()
     def write_context_kv(self, hidden, positions, cache_loc, commit_len=None) -> None:

@@ -659,3 +659,13 @@ def test_a_hybrid_targets_state_slots_count_requests_apart_from_the_radix_caches
     scheduler.tree_cache = SimpleNamespace()  # no radix cache of states: every slot taken is in use
     assert integration.recurrent_state_slots(scheduler) == {"used": 8, "cached": 0, "size": 48}
     assert integration.recurrent_state_slots(SimpleNamespace(req_to_token_pool=SimpleNamespace())) is None
+
+
+def test_the_draft_ring_without_a_draft_window_stops_at_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_RING", "1")
+    with pytest.raises(SystemExit, match="^sglang-dflash: SGLANG_DFLASH_DRAFT_RING: .* --speculative-draft-window-size$"):
+        integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "a"))
+    seen = []
+    args = server_args(tmp_path / "b", speculative_draft_window_size=1024)
+    integration.handle_dflash_args_hook(seen.append, args)
+    assert seen == [args]

@@ -12,7 +12,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.host_pauses import StepStalls
 from sglang_dflash.reference import ReferenceDraft
-from sglang_dflash.draft import DraftWindow, StepBuffers
+from sglang_dflash.draft import DraftRing, DraftWindow, StepBuffers
 from sglang_dflash.worker import extend_positions, mamba_track_steps
 
 
@@ -457,7 +457,7 @@ def test_prefills_replayed_from_sglangs_prefill_graphs_are_counted():
 
     written = []
     worker = object.__new__(DFlashWorker)
-    worker.device, worker.prefills, worker.prefills_in_graphs = "cpu", 0, 0
+    worker.device, worker.prefills, worker.prefills_in_graphs, worker.window = "cpu", 0, 0, None
     worker.output_counts = SimpleNamespace(start=lambda reqs: None)
     worker.draft_head = SimpleNamespace(observe=lambda ids, checked: None)
     worker.write_context_kv = lambda hidden, positions, loc: written.append(positions.tolist())
@@ -572,6 +572,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.pauses = process_pauses()
     worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
     worker.half_logits = SimpleNamespace(verifies=7)
+    worker.window = None
+    worker.draft_model_runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(size=123456))
     for _ in range(4):
         worker.width_policy.choose(2)
     assert Scheduler.get_internal_state.__name__ == "get_internal_state"  # the method the hook wraps
@@ -594,6 +596,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert set(state["dflash"].pop("block_attention")) == {"backends", "routed_calls", "declined_calls", "plans_skipped",
                                                            "served_whole"}
     assert state["dflash"].pop("host_lengths") == []  # no backends built here
+    assert state["dflash"].pop("draft_kv") == {"layout": "every position", "tokens": 123456, "window": None}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
@@ -602,7 +605,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
-    fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths")
+    fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
@@ -1214,12 +1217,15 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
     worker.widths, worker.pauses = (16, 4, 1), process_pauses()
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter(), 3, 0
     worker.prefills = worker.prefills_in_graphs = 0
+    worker.window = DraftRing(64, 16, SimpleNamespace(size=7), "cpu")
+    worker.draft_model_runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(size=8 * 80))
     batch = SimpleNamespace(reqs=[SimpleNamespace(rid=r) for r in "abc"])
     for _ in range(3):
         DFlashWorker.choose_widths(worker, batch, 3)
     info = DFlashWorker.server_info(worker)
     assert info["fallback"] == {"policy": "ForcedFallback", "requests": 3, "in_fallback": 3}
     assert info["widths_used"] == {"1": 1}
+    assert info["draft_kv"] == {"layout": "ring", "tokens": 640, "window": 64, "ring_slots_per_request": 80}
 
 
 def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_width_one_saves_time(monkeypatch):
