@@ -30,7 +30,8 @@ DECODE forward with DECODE graphs (:meth:`DFlashWorker.decode_step`). The width 
 
 ``--speculative-draft-window-size W``: the draft attends to the last W committed positions only,
 through a request table of its own (:class:`~sglang_dflash.draft.DraftWindow`); the target still sees
-everything. The draft side's parts (block, buffers, window, greedy head) live in ``draft.py``.
+everything. The draft side's parts (block, buffers, window, greedy head) live in ``draft.py``; where
+and when the draft context is written (prefill, commit, the verify graphs' hook) in ``context.py``.
 
 KV slots: the scheduler reserves ``committed + 2B`` slots per request ahead of each step
 (``DFlashDraftInputV2.prepare_for_decode``, in bulk where ``draft_input.py`` repeats it); target and
@@ -44,7 +45,6 @@ draft input at most a subclass): the scheduler, FutureMap and attention backends
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -66,9 +66,10 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
-from .config import (DRAFT_RING_ENV, DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
-                     context_in_verify_graph, draft_fallback, draft_ring, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
+from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
+                     context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
                      widths_by_default, width_policy_kind)
+from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
@@ -77,7 +78,7 @@ from .fallback import make_fallback
 from .host_pauses import StepStalls, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
-from .sampling import HalfVerifyLogits, OutputCounts, argmax_only, to_device_async
+from .sampling import HalfVerifyLogits, OutputCounts, argmax_only
 from .step_clock import StepClock
 
 logger = logging.getLogger("sglang_dflash")
@@ -111,42 +112,7 @@ def mamba_track_steps(seq_lens: torch.Tensor, commit_len: torch.Tensor, interval
     return torch.where(crossed, boundary - seq_lens - 1, torch.full_like(boundary, -1))
 
 
-class ContextInVerifyGraph:
-    """Draft context K/V written inside the target's verify CUDA graphs (a capture-tail hook):
-    one replay each step instead of a dozen eager launches and their Python.
-
-    Every row of the block is written, accepted or not (the accept comes after the verify). A
-    rejected row is never read: the next block starts at the first rejected position, and the
-    draft writes its own K/V over the block's slots before it attends to them. The width-1
-    runner's DECODE graphs (:meth:`DFlashWorker.decode_step`) hold the write too: their one row
-    per request is the bonus, always committed. Padded rows write slot 0, SGLang's dummy slot.
-    """
-
-    def __init__(self, write_context_kv):
-        self.write_context_kv = write_context_kv
-        self.runners: set[int] = set()  # graph runners whose graphs (verify, or width-1 decode) hold the write
-        self.ring: Optional[DraftRing] = None  # draft K/V in a ring: slots from the rows and positions
-
-    def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
-        mode = forward_batch.forward_mode
-        if runner.model_runner.is_draft_worker or not (mode.is_target_verify() or mode.is_decode()):
-            return  # the target's DECODE graphs under DFLASH are the width-1 runner's alone
-        hidden = getattr(out, "hidden_states", None)
-        if hidden is None:
-            return
-        loc = forward_batch.out_cache_loc
-        if self.ring is not None:  # padded rows are row 0, SGLang's dummy row, in the ring as in the pool
-            loc = self.ring.slots(forward_batch.req_pool_indices, forward_batch.positions)
-        self.write_context_kv(hidden, forward_batch.positions, loc)
-        self.runners.add(id(runner))
-
-    def wrote(self, runner, ran_graph: bool) -> bool:
-        """Whether the verify that just ran wrote the context: a graph replay of a runner whose
-        graphs hold the write."""
-        return ran_graph and id(runner) in self.runners
-
-
-class DFlashWorker(BaseSpecWorker):
+class DFlashWorker(DraftContext, BaseSpecWorker):
     """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
@@ -317,45 +283,12 @@ class DFlashWorker(BaseSpecWorker):
         return getattr(self._target_worker, name)
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
-        # The draft KV buffer is its own, but indexed by the target's slots and (without a draft
-        # window) the target's request table; or, in a ring, by request row and position.
-        if self.window_size is not None:
-            why_not = self._draft_ring_unserved(memory_pool_config) if draft_ring() else "off"
-            if why_not is None:
-                self.window = DraftRing(int(self.window_size), self.block_size, req_to_token_pool, self.device)
-                memory_pool_config = self.window.pool_config(memory_pool_config)
-                if self.context_in_graph is not None:
-                    self.context_in_graph.ring = self.window
-                if get_parallel().tp_rank == 0:
-                    logger.info("DFLASH draft K/V in a ring of %d slots a request (window %d + block %d): "
-                                "%d tokens in all", self.window.ring, self.window.size, self.block_size,
-                                self.window.tokens)
-            else:
-                if why_not != "off" and get_parallel().tp_rank == 0:
-                    logger.warning("DFLASH %s=1 not served (%s): draft K/V is kept for every position",
-                                   DRAFT_RING_ENV, why_not)
-                self.window = DraftWindow(int(self.window_size), self.block_size, req_to_token_pool, self.device)
+        memory_pool_config = self.claim_draft_window(memory_pool_config, req_to_token_pool)
         self._draft_worker.alloc_memory_pool(
             memory_pool_config=memory_pool_config,
             req_to_token_pool=self.window.pool if self.window else req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
         )
-
-    def _draft_ring_unserved(self, memory_pool_config) -> Optional[str]:
-        """Why draft K/V cannot live in a ring here, or None. Whatever reads the draft pool by the
-        target's slot (the hierarchical cache's backup, PD transfer) or pages it would miss it."""
-        args = self.release.resolving(self.server_args)
-        if memory_pool_config is None or not dataclasses.is_dataclass(memory_pool_config):
-            return "this release hands the draft no pool config to size"
-        if self.ragged:
-            return f"not with {RAGGED_ENV}"
-        if getattr(args, "enable_hierarchical_cache", False):
-            return "the hierarchical cache backs draft K/V up by the target's slots"
-        if (getattr(args, "page_size", None) or 1) != 1:
-            return "page_size above 1"
-        if self.release.pd_role(args) is not None:
-            return "PD disaggregation moves draft K/V by the target's slots"
-        return None
 
     def init_attention_backends(self):
         if self.hybrid and not hasattr(self.model_runner.attn_backend, "update_mamba_state_after_mtp_verify"):
@@ -439,16 +372,6 @@ class DFlashWorker(BaseSpecWorker):
             info["fallback"] = {"policy": type(self.fallback).__name__, "requests": self.fallback.fallback_requests,
                                 "in_fallback": self.fallback.in_fallback()}
         return info
-
-    def draft_kv_report(self) -> dict:
-        """How the draft's K/V is kept: a row per target slot, or a ring per request (its size fixed
-        at start, whatever the context)."""
-        pool = getattr(self.draft_model_runner, "token_to_kv_pool", None)
-        report = {"layout": "ring" if isinstance(self.window, DraftRing) else "every position",
-                  "tokens": getattr(pool, "size", None), "window": self.window.size if self.window else None}
-        if isinstance(self.window, DraftRing):
-            report["ring_slots_per_request"] = self.window.ring
-        return report
 
     # ---- one scheduler step ------------------------------------------------------------------
 
@@ -593,31 +516,10 @@ class DFlashWorker(BaseSpecWorker):
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("the target returned no tapped hidden states; does it support DFLASH capture?")
-        # Write now: the scheduler may insert these tokens into the radix cache right after.
-        positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
-        if isinstance(self.window, DraftRing):
-            self.write_ring_prefill(batch, hidden, positions)
-        else:
-            self.write_context_kv(hidden, positions, batch.out_cache_loc)
+        self.write_prefill_context(batch, hidden)  # now: the radix cache may take these tokens right after
         result.logits_output.hidden_states = None
         result.next_draft_input = make_draft_input(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
-
-    def write_ring_prefill(self, batch, hidden, positions) -> None:
-        """The prefill's draft context in the ring: each request's last W tokens, after its row is
-        claimed (a row with a new owner holds nothing before the request's prefix)."""
-        ring, pool = self.window, self.model_runner.req_to_token_pool
-        rows = [self.release.request_row(req) for req in batch.reqs]
-        owners = [(req.rid, self.release.row_generation(pool, row)) for req, row in zip(batch.reqs, rows)]
-        ring.start_extend(rows, owners, list(batch.prefix_lens))
-        kept = ring.kept(list(batch.extend_lens))
-        if not kept:
-            return
-        keep = to_device_async(torch.tensor(kept, dtype=torch.int64), self.device)
-        token_rows = to_device_async(torch.tensor([r for r, n in zip(rows, batch.extend_lens) for _ in range(n)],
-                                                  dtype=torch.int64), self.device)
-        kept_positions = positions[keep]
-        self.write_context_kv(hidden[keep], kept_positions, ring.slots(token_rows[keep], kept_positions))
 
     def draft_step(self, batch, bufs: dict, width: Optional[int] = None) -> DraftBlock:
         """One parallel draft pass over ``[bonus, mask...]``; returns the first ``width`` (default
@@ -852,29 +754,6 @@ class DFlashWorker(BaseSpecWorker):
             req_pool_indices=batch.req_pool_indices,
         )
 
-    def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor,
-                       req_pool_indices: Optional[torch.Tensor] = None) -> None:
-        """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""
-        if hidden is None:
-            raise RuntimeError("target verify returned no tapped hidden states")
-        loc = block.cache_loc
-        if isinstance(self.window, DraftRing):
-            loc = self.window.slots(req_pool_indices, block.positions).view_as(block.cache_loc)
-        self.write_context_kv(hidden, block.positions, loc, commit_len)
-
-    @torch.inference_mode()
-    def write_context_kv(self, hidden, positions, cache_loc, commit_len=None) -> None:
-        """Project target features once, then write every draft layer's K (normed, rotated) and V."""
-        if hidden.numel() == 0:
-            return
-        ctx = self.draft_model.project_target_hidden(hidden)
-        pool = self.draft_model_runner.token_to_kv_pool
-        for attn, k, v in self.draft_model.context_kv(positions, ctx):
-            if commit_len is None:
-                pool.set_kv_buffer(attn, cache_loc, k, v, attn.k_scale, attn.v_scale)
-            else:
-                pool.set_kv_buffer_prefix_valid(attn, cache_loc, commit_len, k, v, attn.k_scale, attn.v_scale)
-
     def _idle_result(self, on_publish) -> GenerationBatchResult:
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         if on_publish is not None:
@@ -899,14 +778,6 @@ def flashinfer_linear_verify(attn_backend) -> bool:
     """Whether a hybrid target's linear layers verify on FlashInfer's kernel (else SGLang's Triton)."""
     dispatcher = getattr(getattr(attn_backend, "linear_attn_backend", None), "kernel_dispatcher", None)
     return bool(getattr(dispatcher, "verify_kernel_is_flashinfer", False))
-
-
-def extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
-    """Positions of a prefill's new tokens, request after request. Built on the host from the
-    scheduler's lists and sent from pinned memory: the host does not wait for the prefill."""
-    ext, pre = torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(prefix_lens, dtype=torch.int64)
-    shift = torch.repeat_interleave(torch.cumsum(ext, 0) - ext - pre, ext)
-    return to_device_async(torch.arange(int(ext.sum())) - shift, device)
 
 
 def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int) -> torch.Tensor:

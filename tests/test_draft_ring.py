@@ -156,7 +156,8 @@ def ring_worker(W=6, B=4, rows=5):
 
 
 def test_a_prefill_writes_each_requests_last_w_tokens_to_its_ring_slots():
-    from sglang_dflash.worker import DFlashWorker, extend_positions
+    from sglang_dflash.context import extend_positions
+    from sglang_dflash.worker import DFlashWorker
 
     worker = ring_worker(W=3, B=2)  # R = 5
     reqs = [SimpleNamespace(rid="a", kv=SimpleNamespace(req_pool_idx=2)),  # 0.5.23's request row
@@ -173,7 +174,8 @@ def test_a_prefill_writes_each_requests_last_w_tokens_to_its_ring_slots():
 
 def test_committed_context_and_the_verify_graphs_write_to_ring_slots():
     from sglang_dflash.draft import DraftBlock
-    from sglang_dflash.worker import ContextInVerifyGraph, DFlashWorker
+    from sglang_dflash.context import ContextInVerifyGraph
+    from sglang_dflash.worker import DFlashWorker
 
     worker = ring_worker(W=6, B=4)  # R = 10
     block = DraftBlock(torch.zeros(2, 3), torch.tensor([18, 19, 20, 5, 6, 7]), torch.arange(6).view(2, 3), None)

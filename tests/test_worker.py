@@ -13,7 +13,8 @@ from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.host_pauses import StepStalls
 from sglang_dflash.reference import ReferenceDraft
 from sglang_dflash.draft import DraftRing, DraftWindow, StepBuffers
-from sglang_dflash.worker import extend_positions, mamba_track_steps
+from sglang_dflash.context import extend_positions
+from sglang_dflash.worker import mamba_track_steps
 
 
 def test_step_buffers_alternate_so_a_step_never_overwrites_the_previous_results():
@@ -899,7 +900,7 @@ def test_the_targets_verify_and_width_one_decode_graphs_write_the_draft_context_
     """The capture-tail hook writes the tapped hidden states of every row at its position and
     slot, in the target's TARGET_VERIFY graphs and its DECODE graphs (width 1) but not in the
     draft's, and marks the runners whose graphs hold it."""
-    from sglang_dflash.worker import ContextInVerifyGraph
+    from sglang_dflash.context import ContextInVerifyGraph
 
     written = []
     hook = ContextInVerifyGraph(lambda *args: written.append([a.tolist() for a in args]))
@@ -930,7 +931,8 @@ def test_the_targets_verify_and_width_one_decode_graphs_write_the_draft_context_
 def test_a_step_whose_verify_graph_wrote_the_context_does_not_write_it_again(monkeypatch, runner, decodes):
     """The step commits the draft context itself only when its verify (or width-1 decode) did not
     replay a graph holding the write (eager, or a runner captured without it); the tokens are the same."""
-    from sglang_dflash.worker import ContextInVerifyGraph, DFlashWorker
+    from sglang_dflash.context import ContextInVerifyGraph
+    from sglang_dflash.worker import DFlashWorker
 
     worker, batch, log, (_, graphs), written = whole_step_worker(monkeypatch, runner, decodes)
     worker.context_in_graph = ContextInVerifyGraph(worker.write_context_kv)

@@ -1,0 +1,171 @@
+"""The draft's context: the target's tapped hidden states, projected by the draft's ``fc`` and
+``hidden_norm``, kept as K/V in every draft layer, which the draft's block attends to.
+
+Written at each prefill (:meth:`DraftContext.write_prefill_context`) and for each step's committed
+tokens (:meth:`DraftContext.commit_context`, or inside the target's verify graphs:
+:class:`ContextInVerifyGraph`). Where it lives (:meth:`DraftContext.claim_draft_window`):
+- by default at the target's own KV slots, one draft row per target slot, so a radix-cache hit finds
+  its prefix's draft K/V in place;
+- with ``--speculative-draft-window-size W`` the same, read through a request table of the last W
+  positions (:class:`~sglang_dflash.draft.DraftWindow`);
+- with ``SGLANG_DFLASH_DRAFT_RING=1`` as well, in a ring of W + B slots per request row
+  (:class:`~sglang_dflash.draft.DraftRing`): draft memory fixed by the window, a radix hit cold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+
+from sglang.srt.runtime_context import get_parallel
+
+from .config import DRAFT_RING_ENV, RAGGED_ENV, draft_ring
+from .draft import DraftBlock, DraftRing, DraftWindow
+from .sampling import to_device_async
+
+logger = logging.getLogger("sglang_dflash")
+
+
+class ContextInVerifyGraph:
+    """Draft context K/V written inside the target's verify CUDA graphs (a capture-tail hook):
+    one replay each step instead of a dozen eager launches and their Python.
+
+    Every row of the block is written, accepted or not (the accept comes after the verify). A
+    rejected row is never read: the next block starts at the first rejected position, and the
+    draft writes its own K/V over the block's slots before it attends to them. The width-1
+    runner's DECODE graphs (:meth:`DFlashWorker.decode_step`) hold the write too: their one row
+    per request is the bonus, always committed. Padded rows write slot 0, SGLang's dummy slot.
+    """
+
+    def __init__(self, write_context_kv):
+        self.write_context_kv = write_context_kv
+        self.runners: set[int] = set()  # graph runners whose graphs (verify, or width-1 decode) hold the write
+        self.ring: Optional[DraftRing] = None  # draft K/V in a ring: slots from the rows and positions
+
+    def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
+        mode = forward_batch.forward_mode
+        if runner.model_runner.is_draft_worker or not (mode.is_target_verify() or mode.is_decode()):
+            return  # the target's DECODE graphs under DFLASH are the width-1 runner's alone
+        hidden = getattr(out, "hidden_states", None)
+        if hidden is None:
+            return
+        loc = forward_batch.out_cache_loc
+        if self.ring is not None:  # padded rows are row 0, SGLang's dummy row, in the ring as in the pool
+            loc = self.ring.slots(forward_batch.req_pool_indices, forward_batch.positions)
+        self.write_context_kv(hidden, forward_batch.positions, loc)
+        self.runners.add(id(runner))
+
+    def wrote(self, runner, ran_graph: bool) -> bool:
+        """Whether the verify that just ran wrote the context: a graph replay of a runner whose
+        graphs hold the write."""
+        return ran_graph and id(runner) in self.runners
+
+
+class DraftContext:
+    """The worker's side of the draft context (a mixin of :class:`~sglang_dflash.worker.DFlashWorker`,
+    whose pools, models and release it uses)."""
+
+    def claim_draft_window(self, memory_pool_config, req_to_token_pool):
+        """The draft's request table and, in a ring, its pool size: the config the draft runner's
+        pools are built from."""
+        if self.window_size is not None:
+            why_not = self._draft_ring_unserved(memory_pool_config) if draft_ring() else "off"
+            if why_not is None:
+                self.window = DraftRing(int(self.window_size), self.block_size, req_to_token_pool, self.device)
+                memory_pool_config = self.window.pool_config(memory_pool_config)
+                if self.context_in_graph is not None:
+                    self.context_in_graph.ring = self.window
+                if get_parallel().tp_rank == 0:
+                    logger.info("DFLASH draft K/V in a ring of %d slots a request (window %d + block %d): "
+                                "%d tokens in all", self.window.ring, self.window.size, self.block_size,
+                                self.window.tokens)
+            else:
+                if why_not != "off" and get_parallel().tp_rank == 0:
+                    logger.warning("DFLASH %s=1 not served (%s): draft K/V is kept for every position",
+                                   DRAFT_RING_ENV, why_not)
+                self.window = DraftWindow(int(self.window_size), self.block_size, req_to_token_pool, self.device)
+        return memory_pool_config
+
+    def _draft_ring_unserved(self, memory_pool_config) -> Optional[str]:
+        """Why draft K/V cannot live in a ring here, or None. Whatever reads the draft pool by the
+        target's slot (the hierarchical cache's backup, PD transfer) or pages it would miss it."""
+        args = self.release.resolving(self.server_args)
+        if memory_pool_config is None or not dataclasses.is_dataclass(memory_pool_config):
+            return "this release hands the draft no pool config to size"
+        if self.ragged:
+            return f"not with {RAGGED_ENV}"
+        if getattr(args, "enable_hierarchical_cache", False):
+            return "the hierarchical cache backs draft K/V up by the target's slots"
+        if (getattr(args, "page_size", None) or 1) != 1:
+            return "page_size above 1"
+        if self.release.pd_role(args) is not None:
+            return "PD disaggregation moves draft K/V by the target's slots"
+        return None
+
+    def draft_kv_report(self) -> dict:
+        """How the draft's K/V is kept: a row per target slot, or a ring per request (its size fixed
+        at start, whatever the context)."""
+        pool = getattr(self.draft_model_runner, "token_to_kv_pool", None)
+        report = {"layout": "ring" if isinstance(self.window, DraftRing) else "every position",
+                  "tokens": getattr(pool, "size", None), "window": self.window.size if self.window else None}
+        if isinstance(self.window, DraftRing):
+            report["ring_slots_per_request"] = self.window.ring
+        return report
+
+    def write_prefill_context(self, batch, hidden) -> None:
+        """Draft K/V for a prefill's new tokens, at their target slots or in the ring."""
+        positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
+        if isinstance(self.window, DraftRing):
+            self.write_ring_prefill(batch, hidden, positions)
+        else:
+            self.write_context_kv(hidden, positions, batch.out_cache_loc)
+
+    def write_ring_prefill(self, batch, hidden, positions) -> None:
+        """The prefill's draft context in the ring: each request's last W tokens, after its row is
+        claimed (a row with a new owner holds nothing before the request's prefix)."""
+        ring, pool = self.window, self.model_runner.req_to_token_pool
+        rows = [self.release.request_row(req) for req in batch.reqs]
+        owners = [(req.rid, self.release.row_generation(pool, row)) for req, row in zip(batch.reqs, rows)]
+        ring.start_extend(rows, owners, list(batch.prefix_lens))
+        kept = ring.kept(list(batch.extend_lens))
+        if not kept:
+            return
+        keep = to_device_async(torch.tensor(kept, dtype=torch.int64), self.device)
+        token_rows = to_device_async(torch.tensor([r for r, n in zip(rows, batch.extend_lens) for _ in range(n)],
+                                                  dtype=torch.int64), self.device)
+        kept_positions = positions[keep]
+        self.write_context_kv(hidden[keep], kept_positions, ring.slots(token_rows[keep], kept_positions))
+
+    def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor,
+                       req_pool_indices: Optional[torch.Tensor] = None) -> None:
+        """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""
+        if hidden is None:
+            raise RuntimeError("target verify returned no tapped hidden states")
+        loc = block.cache_loc
+        if isinstance(self.window, DraftRing):
+            loc = self.window.slots(req_pool_indices, block.positions).view_as(block.cache_loc)
+        self.write_context_kv(hidden, block.positions, loc, commit_len)
+
+    @torch.inference_mode()
+    def write_context_kv(self, hidden, positions, cache_loc, commit_len=None) -> None:
+        """Project target features once, then write every draft layer's K (normed, rotated) and V."""
+        if hidden.numel() == 0:
+            return
+        ctx = self.draft_model.project_target_hidden(hidden)
+        pool = self.draft_model_runner.token_to_kv_pool
+        for attn, k, v in self.draft_model.context_kv(positions, ctx):
+            if commit_len is None:
+                pool.set_kv_buffer(attn, cache_loc, k, v, attn.k_scale, attn.v_scale)
+            else:
+                pool.set_kv_buffer_prefix_valid(attn, cache_loc, commit_len, k, v, attn.k_scale, attn.v_scale)
+
+
+def extend_positions(prefix_lens: list[int], extend_lens: list[int], device) -> torch.Tensor:
+    """Positions of a prefill's new tokens, request after request. Built on the host from the
+    scheduler's lists and sent from pinned memory: the host does not wait for the prefill."""
+    ext, pre = torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(prefix_lens, dtype=torch.int64)
+    shift = torch.repeat_interleave(torch.cumsum(ext, 0) - ext - pre, ext)
+    return to_device_async(torch.arange(int(ext.sum())) - shift, device)
