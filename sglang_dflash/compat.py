@@ -92,6 +92,7 @@ HOOK_TARGETS = {
     "server_info": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
     "refuse_unrunnable_prompt": "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "card_flags": "sglang.srt.server_args.prepare_server_args",
+    "plain_step": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 # Target attention backends on which a width-1 step runs as a plain DECODE forward. Their decode
@@ -385,6 +386,10 @@ class SGLangRelease:
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
         if not self.has("logprobs_reach_worker"):
             targets["allow_logprobs"] = HOOK_TARGETS["allow_logprobs"]
+        from .config import scheduler_ledger
+
+        if scheduler_ledger():
+            targets["plain_step"] = HOOK_TARGETS["plain_step"]
         return targets
 
     def symbols(self) -> list[Symbol]:
@@ -398,6 +403,7 @@ class SGLangRelease:
             Symbol("sglang.srt.plugins.hook_registry", "HookType"),
             Symbol("sglang.srt.models.registry", "ModelRegistry"),
             Symbol("sglang.srt.model_executor.pool_configurator", "MemoryPoolConfig"),  # the draft ring's size
+            Symbol(*split_target(HOOK_TARGETS["plain_step"])),  # SGLANG_DFLASH_LEDGER's hook, checked either way
             Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_cuda"),
             Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_native"),
             Symbol("sglang.srt.layers.layernorm", "GemmaRMSNorm.forward_cuda"),

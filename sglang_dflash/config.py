@@ -56,6 +56,7 @@ FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
 FALLBACK_MODES = ("on", "off", "force")
 RAGGED_ENV = "SGLANG_DFLASH_RAGGED"
 DRAFT_RING_ENV = "SGLANG_DFLASH_DRAFT_RING"
+LEDGER_ENV = "SGLANG_DFLASH_LEDGER"
 # The lm_head rows the draft's greedy head reads: "auto" (the default: the 32768 tokens served most
 # often when the vocabulary holds at least twice as many), "full", or a row count.
 DRAFT_VOCAB_ENV = "SGLANG_DFLASH_DRAFT_VOCAB"
@@ -191,6 +192,12 @@ def draft_fallback(widths: tuple[int, ...]) -> str:
         raise DFlashConfigError(FALLBACK_ENV, f"{mode!r} needs width 1 among the verify widths "
                                               f"({WIDTHS_ENV}=auto or a list holding 1)")
     return mode or ("on" if 1 in widths else "off")
+
+
+def scheduler_ledger() -> bool:
+    """A server without DFLASH times its scheduler's worker calls by mode, as the plugin's worker
+    always does (``/get_server_info`` ``scheduler_ledger``): plain decoding's side of a profile."""
+    return os.environ.get(LEDGER_ENV, "0").strip() == "1"
 
 
 def draft_ring() -> bool:

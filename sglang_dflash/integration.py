@@ -52,6 +52,8 @@ CARD_FLAGS = compat.HOOK_TARGETS["card_flags"]
 # Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
 # so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
 _serving = False
+# SGLANG_DFLASH_LEDGER=1 on a server without speculative decoding: its scheduler's worker calls by mode.
+_ledger = None
 
 
 def builtin_reason(impl: str, release: compat.SGLangRelease) -> Optional[str]:
@@ -98,6 +100,7 @@ def register() -> None:
         "server_info": server_info_hook,
         "refuse_unrunnable_prompt": refuse_unrunnable_prompt_hook,
         "card_flags": card_flags_hook,
+        "plain_step": plain_step_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
@@ -270,9 +273,35 @@ def allow_logprobs_hook(original, req, *args, **kwargs):
     return original(_WithoutLogprobs(req) if _serving else req, *args, **kwargs)
 
 
+def plain_step_hook(original, worker, batch=None, *args, **kwargs):
+    """``TpModelWorker.forward_batch_generation`` on a server without speculative decoding, timed
+    by mode as the plugin's worker times its own calls (``host_pauses.StepStalls``): a profile sets
+    plain decoding's decode steps, admissions and gaps beside the plugin's. Elsewhere (the plugin's
+    target calls, EAGLE, the built-in) it only passes the call on."""
+    global _ledger
+    spec = getattr(batch, "spec_algorithm", None)
+    if _serving or batch is None or (spec is not None and not spec.is_none()):
+        return original(worker, batch, *args, **kwargs)
+    if _ledger is None:
+        from .host_pauses import StepStalls
+
+        _ledger = StepStalls()
+    mode = "extend" if batch.forward_mode.is_extend() else "idle" if batch.forward_mode.is_idle() else "decode"
+    seq_lens = getattr(batch, "seq_lens", None)
+    tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if mode == "extend" else 0
+    _ledger.begin()
+    try:
+        return original(worker, batch, *args, **kwargs)
+    finally:
+        _ledger.end(mode, len(seq_lens) if seq_lens is not None else 0, tokens, 1 if mode == "decode" else None)
+
+
 def server_info_hook(original, scheduler, recv_req):
-    """``/get_server_info``: the plugin's worker adds what only it knows under ``dflash``."""
+    """``/get_server_info``: the plugin's worker adds what only it knows under ``dflash``; a plain
+    server with ``SGLANG_DFLASH_LEDGER=1`` its worker calls by mode under ``scheduler_ledger``."""
     out = original(scheduler, recv_req)
+    if _ledger is not None and not _serving and isinstance(getattr(out, "internal_state", None), dict):
+        out.internal_state["scheduler_ledger"] = _ledger.report()
     report = getattr(getattr(scheduler, "draft_worker", None), "server_info", None)
     if _serving and callable(report) and isinstance(getattr(out, "internal_state", None), dict):
         out.internal_state["dflash"] = report()

@@ -1179,3 +1179,18 @@ def test_every_benchmark_implementation_names_settings_the_plugin_accepts(monkey
     widths, policy, fallback = made["adaptive-nofallback"]
     assert widths == (16, 8, 4, 2, 1) and isinstance(policy, WidthPolicy) and fallback is None
     assert made["adaptive"][2] is not None
+
+
+def test_plain_decodings_ledger_is_read_as_the_plugins_calls_by_mode(monkeypatch):
+    """An AR server started by the benchmark reports its worker calls by mode (SGLANG_DFLASH_LEDGER=1):
+    the sweep keeps them per wave as it keeps the plugin's, for the time-by-mode table."""
+    from sglang_dflash.bench.server import IMPLEMENTATIONS
+
+    assert IMPLEMENTATIONS["ar"][1] == {"SGLANG_DFLASH_LEDGER": "1"}
+    by_mode = {"decode": {"calls": 10, "tokens": 0, "call_ms": 20.0, "gap_ms": 5.0}}
+    ledger = {"calls": 10, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [], "host_ms_by_width": {},
+              "decode_host": {"calls": 9, "call_ms": 18.0, "gap_ms": 5.0, "policy_ms": 0.0}, "by_mode": by_mode}
+    monkeypatch.setattr(sweep, "server_info", lambda url: {"scheduler_ledger": ledger, "max_total_num_tokens": 9})
+    assert sweep.host_pauses("u") == {k: ledger[k] for k in ("stalls", "stall_ms", "recent", "decode_host", "by_mode")}
+    monkeypatch.setattr(sweep, "server_info", lambda url: {"max_total_num_tokens": 9})
+    assert sweep.host_pauses("u") is None

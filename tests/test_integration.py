@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import draft_config_dict, write_checkpoint, write_target
 
 from sglang_dflash import compat, integration
@@ -669,3 +670,39 @@ def test_the_draft_ring_without_a_draft_window_stops_at_start(tmp_path, monkeypa
     args = server_args(tmp_path / "b", speculative_draft_window_size=1024)
     integration.handle_dflash_args_hook(seen.append, args)
     assert seen == [args]
+
+
+def test_a_plain_server_times_its_worker_calls_by_mode_only_when_asked(monkeypatch):
+    """SGLANG_DFLASH_LEDGER=1: plain decoding's side of a profile. The hook is registered only then,
+    and it counts nothing on a speculative server (the plugin's own target calls, EAGLE, the built-in)."""
+    monkeypatch.delenv("SGLANG_DFLASH_LEDGER", raising=False)
+    assert compat.HOOK_TARGETS["plain_step"] not in registered_targets(monkeypatch, RELEASE)
+    monkeypatch.setenv("SGLANG_DFLASH_LEDGER", "1")
+    assert compat.HOOK_TARGETS["plain_step"] in registered_targets(monkeypatch, RELEASE)
+
+    monkeypatch.setattr(integration, "_ledger", None)
+    monkeypatch.setattr(integration, "_serving", False)
+    plain = SimpleNamespace(is_none=lambda: True)
+    eagle = SimpleNamespace(is_none=lambda: False)
+
+    def batch(mode, bs, spec=plain, tokens=None):
+        return SimpleNamespace(spec_algorithm=spec, seq_lens=torch.zeros(bs), extend_num_tokens=tokens,
+                               forward_mode=SimpleNamespace(is_extend=lambda: mode == "extend",
+                                                            is_idle=lambda: mode == "idle"))
+
+    calls = []
+    forward = lambda worker, b, *a, **k: calls.append(b) or "result"  # noqa: E731
+    assert integration.plain_step_hook(forward, "worker", batch("extend", 2, tokens=300)) == "result"
+    for _ in range(3):
+        integration.plain_step_hook(forward, "worker", batch("decode", 2))
+    integration.plain_step_hook(forward, "worker", batch("decode", 2, spec=eagle))  # passed on, not counted
+    integration.plain_step_hook(forward, "worker", None, "a forward batch")
+    assert len(calls) == 6
+    state = integration.server_info_hook(lambda s, r: SimpleNamespace(internal_state={}), SimpleNamespace(), None)
+    by_mode = state.internal_state["scheduler_ledger"]["by_mode"]
+    assert {m: (v["calls"], v["tokens"]) for m, v in by_mode.items()} == {"extend": (1, 300), "decode": (3, 0)}
+    monkeypatch.setattr(integration, "_serving", True)  # the plugin's server: its worker reports instead
+    integration.plain_step_hook(forward, "worker", batch("decode", 2))
+    assert integration._ledger.by_mode["decode"][0] == 3
+    state = integration.server_info_hook(lambda s, r: SimpleNamespace(internal_state={}), SimpleNamespace(), None)
+    assert "scheduler_ledger" not in state.internal_state

@@ -138,11 +138,12 @@ def kv_loads(url: str, flush: bool = True) -> dict:
 
 
 def server_info(url: str) -> dict:
-    """The scalar entries of the first scheduler's internal state, plus the plugin's ``dflash``."""
+    """The scalar entries of the first scheduler's internal state, plus the plugin's ``dflash`` and
+    a plain server's ``scheduler_ledger``."""
     try:
         info = get_json(url + "/server_info")
     except (OSError, ValueError):
         return {}
     states = info.get("internal_states") or [{}]
     return {k: v for k, v in states[0].items()
-            if isinstance(v, (int, float, str)) or v is None or k == "dflash"}
+            if isinstance(v, (int, float, str)) or v is None or k in ("dflash", "scheduler_ledger")}

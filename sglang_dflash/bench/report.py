@@ -49,9 +49,10 @@ def host_time_table(rows: list[dict]) -> list[str]:
 
 
 def time_by_mode_table(rows: list[dict]) -> list[str]:
-    """Plugin servers' scheduler time by mode, medians over a level's waves: the share of a wave in
-    decode steps and in admissions (prefills and their draft context), each in the worker call and
-    in the gap before it, so step-cost arithmetic can be set against a level's measured throughput."""
+    """Scheduler time by mode of the plugin's servers and plain decoding's (its ledger), medians over
+    a level's waves: the share of a wave in decode steps and in admissions (prefills, and the
+    plugin's draft context), each in the worker call and in the gap before it, so step-cost
+    arithmetic can be set against a level's measured throughput."""
     lines = []
     for r in rows:
         waves = wave_time_by_mode(r)

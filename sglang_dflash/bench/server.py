@@ -21,7 +21,7 @@ from .client import get_json
 
 IMPLEMENTATIONS = {
     # name: (extra server flags, extra env)
-    "ar": ([], {}),
+    "ar": ([], {"SGLANG_DFLASH_LEDGER": "1"}),  # its worker calls by mode, beside the plugin's (a profile's other half)
     "plugin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin"}),
     "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
     # The built-in with ReplaySSM's verify (hybrid targets): SGLang 0.5.17-0.5.23 refuse it for

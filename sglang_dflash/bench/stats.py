@@ -173,7 +173,7 @@ def wave_host_per_step(row: dict) -> list[dict]:
 
 
 def wave_time_by_mode(row: dict) -> list[dict]:
-    """Each wave's scheduler time of a plugin server by mode (decode steps, admissions: ``extend``),
+    """Each wave's scheduler time of a plugin server (or a plain one with its ledger) by mode (decode steps, admissions: ``extend``),
     in the worker call and in the gap before it, as shares of what the calls and gaps add up to, from
     the running totals read after every wave (``wave_host_pauses``' ``by_mode``); and each mode's
     calls. The level's first wave is left out, as in :func:`wave_host_per_step`."""
