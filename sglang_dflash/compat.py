@@ -402,8 +402,6 @@ class SGLangRelease:
             Symbol("sglang.srt.plugins.hook_registry", "HookRegistry.register"),
             Symbol("sglang.srt.plugins.hook_registry", "HookType"),
             Symbol("sglang.srt.models.registry", "ModelRegistry"),
-            Symbol("sglang.srt.model_executor.pool_configurator", "MemoryPoolConfig"),  # the draft ring's size
-            Symbol(*split_target(HOOK_TARGETS["plain_step"])),  # SGLANG_DFLASH_LEDGER's hook, checked either way
             Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_cuda"),
             Symbol("sglang.srt.layers.layernorm", "RMSNorm.forward_native"),
             Symbol("sglang.srt.layers.layernorm", "GemmaRMSNorm.forward_cuda"),

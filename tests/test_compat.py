@@ -66,6 +66,17 @@ def test_the_installed_release_has_every_symbol_in_its_source():
     assert compat.missing_symbols(release, compat.installed_source_root()) == []
 
 
+def test_the_ledgers_hook_target_is_checked_when_it_is_asked_for(monkeypatch):
+    """SGLANG_DFLASH_LEDGER's hook is in the contract only where it is registered: a release that
+    lacked it would otherwise send every DFLASH server to the built-in for a lab switch."""
+    release = compat.running()
+    monkeypatch.delenv("SGLANG_DFLASH_LEDGER", raising=False)
+    assert "plain_step" not in release.hook_targets()
+    monkeypatch.setenv("SGLANG_DFLASH_LEDGER", "1")
+    assert release.hook_targets()["plain_step"] == compat.HOOK_TARGETS["plain_step"]
+    assert compat.missing_symbols(release, compat.installed_source_root()) == []
+
+
 def test_the_symbol_check_leaves_no_parsed_source_alive():
     """Every SGLang process runs the check at start; trees it kept would be walked by every full
     GC after (0.15-0.6 s each, stalling a server's request intake)."""
