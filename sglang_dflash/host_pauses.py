@@ -148,6 +148,14 @@ class StepStalls:
                             for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())}}
 
 
+def call_shape(batch, extend: bool) -> tuple[str, int, int]:
+    """(mode, requests, tokens prefilled) of one scheduler call, as :meth:`StepStalls.end` takes them."""
+    mode = "extend" if extend else "idle" if batch.forward_mode.is_idle() else "decode"
+    seq_lens = getattr(batch, "seq_lens", None)
+    tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
+    return mode, len(seq_lens) if seq_lens is not None else 0, tokens
+
+
 def policy_time(method):
     """Adds a worker method's host time to ``self.stalls.policy_s``: the width policy's own share of
     the steps (its calls run in the worker call and, learning, in the scheduler's gap)."""

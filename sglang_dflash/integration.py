@@ -282,18 +282,16 @@ def plain_step_hook(original, worker, batch=None, *args, **kwargs):
     spec = getattr(batch, "spec_algorithm", None)
     if _serving or batch is None or (spec is not None and not spec.is_none()):
         return original(worker, batch, *args, **kwargs)
-    if _ledger is None:
-        from .host_pauses import StepStalls
+    from .host_pauses import StepStalls, call_shape
 
+    if _ledger is None:
         _ledger = StepStalls()
-    mode = "extend" if batch.forward_mode.is_extend() else "idle" if batch.forward_mode.is_idle() else "decode"
-    seq_lens = getattr(batch, "seq_lens", None)
-    tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if mode == "extend" else 0
+    mode, bs, tokens = call_shape(batch, batch.forward_mode.is_extend())
     _ledger.begin()
     try:
         return original(worker, batch, *args, **kwargs)
     finally:
-        _ledger.end(mode, len(seq_lens) if seq_lens is not None else 0, tokens, 1 if mode == "decode" else None)
+        _ledger.end(mode, bs, tokens, 1 if mode == "decode" else None)
 
 
 def server_info_hook(original, scheduler, recv_req):

@@ -75,7 +75,7 @@ from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
 from .fallback import make_fallback
-from .host_pauses import StepStalls, policy_time, process_pauses
+from .host_pauses import StepStalls, call_shape, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import HalfVerifyLogits, OutputCounts, argmax_only
@@ -379,11 +379,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                                  ) -> GenerationBatchResult:
         # pp_proxy_tensors: passed from SGLang 0.5.19 on; DFLASH runs without pipeline parallelism.
         # Named before the step: a verify leaves the batch in TARGET_VERIFY mode, which counts as extend.
-        extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
-        mode = "extend" if extend else "idle" if batch.forward_mode.is_idle() else "decode"
-        seq_lens = getattr(batch, "seq_lens", None)
-        bs = len(seq_lens) if seq_lens is not None else 0
-        tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
+        mode, bs, tokens = call_shape(batch, batch.forward_mode.is_extend() or batch.is_extend_in_batch)
         self.stalls.begin()
         result = None
         try:

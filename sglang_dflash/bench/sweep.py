@@ -254,6 +254,10 @@ def compile_every_level(url: str, label: str, datasets: dict, concurrencies: lis
             run_requests(url, full_wave(payloads, conc), conc, desc=f"{label} {dataset} c{conc} compile")
 
 
+# What a wave keeps of the worker calls' ledger (the plugin's ``dflash.stalls``, a plain server's ``scheduler_ledger``).
+STALL_KEYS = ("stalls", "stall_ms", "recent", "decode_host", "by_mode")
+
+
 def host_pauses(url: str) -> Optional[dict]:
     """The plugin's counts so far of full GCs, allocator retries, stalled worker calls, decode steps
     and steps whose draft or verify ran outside CUDA graphs; a plain server's worker calls by mode
@@ -262,14 +266,13 @@ def host_pauses(url: str) -> Optional[dict]:
     dflash = info.get("dflash") or {}
     if "host_pauses" not in dflash:  # a plain server's ledger (SGLANG_DFLASH_LEDGER=1): its calls by mode
         ledger = info.get("scheduler_ledger")
-        return {k: ledger[k] for k in ("stalls", "stall_ms", "recent", "decode_host", "by_mode")} if ledger else None
+        return {k: ledger[k] for k in STALL_KEYS} if ledger else None
     graphs = {k: dflash[k] for k in ("decode_steps", "eager_drafts") if k in dflash}
     if "eager_verifies" in dflash:
         graphs["eager_verifies"] = sum(dflash["eager_verifies"].values())
     if "stalls" in dflash:  # worker calls, and gaps between them, over the threshold: the last few named;
         # the decode calls' host time summed since start (a wave's mean per step from two reads)
-        graphs.update({k: dflash["stalls"][k] for k in ("stalls", "stall_ms", "recent", "decode_host", "by_mode")
-                       if k in dflash["stalls"]})
+        graphs.update({k: dflash["stalls"][k] for k in STALL_KEYS if k in dflash["stalls"]})
     return {**dflash["host_pauses"], **graphs}
 
 

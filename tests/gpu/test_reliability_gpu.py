@@ -194,9 +194,10 @@ def test_reliability_load_with_cancels_leaves_the_servers_idle():
         s = servers[pair]
         report = run_load(s.url, concurrency=64, seconds=LOAD_SECONDS, abort_fraction=CANCEL_SHARE,
                           mixed_params=True, memory_probe=s.memory)
+        info = server_info(s.url)
         report.update(start=start, end={"memory": s.memory(), "idle": idle_counters(s.url)},
-                      alive_after=alive(s.url), dflash=server_info(s.url).get("dflash"),
-                      scheduler_ledger=server_info(s.url).get("scheduler_ledger"))  # plain decoding's calls by mode
+                      alive_after=alive(s.url), dflash=info.get("dflash"),
+                      scheduler_ledger=info.get("scheduler_ledger"))  # plain decoding's calls by mode
         with saving:  # each pair's report as it ends: a call cut short keeps the pairs that finished
             reports[pair] = report
             save("load" if LOAD_IMPL == "plugin" else f"load-{LOAD_IMPL}",
