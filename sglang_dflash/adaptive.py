@@ -280,10 +280,21 @@ class WidthPolicy:
             self.calm_since[b] = self.steps
             self.sleep_steps.pop(b, None)
 
-    def choose(self, bs: int) -> int:
-        self.steps += 1
+    def choose(self, bs: int, timed: bool = True) -> int:
+        """The width of a step at batch size ``bs``. ``timed``: whether the step's time will be read
+        (:class:`~sglang_dflash.step_clock.StepClock`: not after a prefill). An untimed step takes
+        the bucket's held width and is no step of the policy's: its probes wait for a timed one.
+        Spent on untimed steps, they were lost (SmolLM2 under a c64 load of mixed parameters,
+        H200, 2026-12-02: more prefills than decode steps, width 1's 31 tries at bs 64 gave too few
+        samples to confirm it, and width 16 held 2,493 steps at 38.5 ms for 2.05 tokens against
+        width 1's 9.6 ms for 1)."""
         b = bucket(bs)
         held = self.settled.get(b)
+        if not timed:
+            width = held[0] if held is not None else self.current.get(b, max(self.widths))
+            self.reasons[b, width, "untimed"] += 1
+            return width
+        self.steps += 1
         if held is not None and self.steps < held[1] and self.steps % self.refresh_every:
             width, why = held[0], "best"
         else:
@@ -502,7 +513,7 @@ class WidthPolicy:
         """A step whose width was set outside the policy (every request in fallback)."""
         self.reasons[bucket(bs), width, why] += 1
 
-    def fallback_width(self, bs: int, fallen_tokens: float = 1.0) -> int:
+    def fallback_width(self, bs: int, fallen_tokens: float = 1.0, timed: bool = True) -> int:
         """For a batch whose every request is in fallback: a plain decode step (width 1) where its
         typical step costs ``margin`` less per token than every other width measured here, a
         request in fallback committing ``fallen_tokens`` a step when verified with drafts
@@ -519,7 +530,7 @@ class WidthPolicy:
         if one is None or not others or one * fallen_tokens <= (1 - self.margin) * min(others):
             self.count(bs, 1, "fallback")
             return 1
-        return self.choose(bs)
+        return self.choose(bs, timed)
 
     def widths_used(self) -> dict[int, int]:
         used: Counter = Counter()
@@ -534,7 +545,8 @@ class WidthPolicy:
 
     def choices(self) -> dict[str, dict[str, int]]:
         """Steps per ``"width@batch bucket"`` and the rule that chose them (``first_try``, ``best``,
-        ``refresh``, ``deep_refresh``, ``asleep``): why a width ran where its cost says it should not."""
+        ``refresh``, ``deep_refresh``, ``confirm``, ``asleep``, ``untimed``, ``fallback``): why a
+        width ran where its cost says it should not."""
         out: dict[str, dict[str, int]] = {}
         for (b, w, why), n in sorted(self.reasons.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
             out.setdefault(f"{w}@{b}", {})[why] = n
@@ -588,7 +600,7 @@ class CyclingWidths:
     def sleeping(self, bs: int) -> None:
         return None  # every step its turn
 
-    def choose(self, bs: int) -> int:
+    def choose(self, bs: int, timed: bool = True) -> int:
         width = self.widths[self.steps // self.hold % len(self.widths)]
         self.steps += 1
         self.used[width] += 1
@@ -608,7 +620,7 @@ class CyclingWidths:
     def count(self, bs: int, width: int, why: str) -> None:
         self.used[width] += 1
 
-    def fallback_width(self, bs: int, fallen_tokens: float = 1.0) -> int:
+    def fallback_width(self, bs: int, fallen_tokens: float = 1.0, timed: bool = True) -> int:
         self.count(bs, 1, "fallback")
         return 1
 
@@ -626,7 +638,7 @@ ASLEEP = object()  # :func:`step_widths`' request widths for a step of a sleepin
 
 
 def step_widths(policy, fallback, rids: Sequence, bs: int, block_size: int,
-                ragged: bool = False) -> tuple[int, Optional[list[int]]]:
+                ragged: bool = False, timed: bool = True) -> tuple[int, Optional[list[int]]]:
     """A decode step's verify width and, with a fallback, the width each request is verified at
     (the worker's order of calls, which the simulation and the tests replay). When every request
     is in fallback the step is plain (width 1) unless width 1 saves too little there
@@ -634,13 +646,14 @@ def step_widths(policy, fallback, rids: Sequence, bs: int, block_size: int,
     1; a padded one checks every request at the batch's width, so each keeps what it accepts
     there: masking would only throw tokens away (7% of the accept length on SmolLM2 gsm8k). A step
     of a sleeping bucket (:meth:`WidthPolicy.sleeping`; never with a ragged verify, which lays out each
-    request's lane) takes full width and ``ASLEEP``."""
+    request's lane) takes full width and ``ASLEEP``. ``timed``: whether the step's time will be
+    read (:meth:`WidthPolicy.choose`)."""
     if not ragged:
         held = policy.sleeping(bs)
         if held is not None:
             return held, ASLEEP
     if fallback is None:
-        return policy.choose(bs), None
+        return policy.choose(bs, timed), None
     if ragged:
         widths = fallback.widths(rids, block_size)
         all_fallen = max(widths, default=1) == 1
@@ -651,9 +664,9 @@ def step_widths(policy, fallback, rids: Sequence, bs: int, block_size: int,
             policy.count(bs, 1, "fallback")
             width = 1
         else:
-            width = policy.fallback_width(bs, fallback.fallen_tokens)
+            width = policy.fallback_width(bs, fallback.fallen_tokens, timed)
         return width, [width] * len(rids)
-    width = policy.choose(bs)
+    width = policy.choose(bs, timed)
     return width, ([min(w, width) for w in widths] if ragged else [width] * len(rids))
 
 

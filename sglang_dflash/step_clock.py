@@ -25,6 +25,11 @@ class StepClock:
         self.last_end = None  # the decode step before's end event, if nothing ran between
         self.spare: list = []  # events read already, recorded again rather than made anew
 
+    @property
+    def times_next(self) -> bool:
+        """Whether the next decode step will be timed: a decode step ended last, nothing since."""
+        return self.last_end is not None
+
     def forget(self) -> None:
         """Something other than a decode step ran: the next step is not timed."""
         self.last_end = None

@@ -464,7 +464,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             if held is not None:
                 return held, ASLEEP
         rids = list(map(RID, batch.reqs)) if self.fallback is not None else ()
-        width, widths = step_widths(self.width_policy, self.fallback, rids, bs, self.block_size, self.ragged)
+        width, widths = step_widths(self.width_policy, self.fallback, rids, bs, self.block_size, self.ragged,
+                                    timed=self.clock.times_next)
         return width, (widths if widths is None or widths is ASLEEP else (rids, widths))
 
     @policy_time

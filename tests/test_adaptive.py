@@ -515,6 +515,42 @@ def test_another_width_replaces_the_held_one_only_on_a_sample_timed_beside_it():
     assert switch["to_tokens"] / switch["to_fresh_ms"] > switch["from_tokens"] / switch["from_ms"]
 
 
+def test_probes_wait_for_a_timed_step_where_most_steps_follow_a_prefill():
+    """Seen on the GPU (SmolLM2 under a c64 load of mixed parameters, H200, 2026-12-02: 3,544
+    prefills to 2,766 decode steps): a decode step after a prefill is not timed. Width 1 read 9.6 ms
+    at bs 64 against width 16's 38.5 ms for 2.05 tokens, yet its tries and confirm steps never gave
+    the samples a switch needs, and width 16 held 2,493 steps. With nine steps in ten untimed, this
+    simulation gives the server's counts. Told which steps will be timed, the policy keeps its
+    probes for those and holds its width on the others."""
+    rates = [0.37, 0.43, 0.51, 0.68, 0.82, 0.87, 0.92, 0.97, 0.96, 0.98, 0.98, 0.96, 0.99, 0.98, 0.99]
+    ms = {16: 38.5, 8: 32.0, 4: 21.0, 2: 22.0, 1: 9.6}
+
+    def run(told: bool, seed: int) -> WidthPolicy:
+        rng, policy = random.Random(seed), WidthPolicy(16)
+        for _ in range(2766):
+            bs, timed = rng.randint(47, 64), rng.random() < 0.1
+            width, widths = step_widths(policy, None, range(bs), bs, 16, timed=timed if told else True)
+            lens = []
+            for _ in range(bs):
+                n = 0
+                while n < width - 1 and rng.random() < rates[n]:
+                    n += 1
+                lens.append(n)
+            cost = ms[width] / 1000 * (1 + rng.expovariate(1 / 0.3)) if timed else None
+            learn_step(policy, None, width, bs, range(bs), widths, lens, cost)
+        return policy
+
+    for seed in (1, 2):
+        blind = run(False, seed).choices()  # as on the GPU: the probes land where nothing is timed
+        assert blind["16@64"]["best"] > 2000 and "best" not in blind["1@64"], blind
+        told = run(True, seed)
+        choices = told.choices()
+        assert choices["1@64"]["best"] + choices["1@64"]["untimed"] > 2000, choices
+        assert told.current[64] == 1 and told.switches()[0]["step"] < 300
+        # an untimed step is no step of the policy's: its counts are the timed steps alone
+        assert told.steps == sum(n for rules in choices.values() for why, n in rules.items() if why != "untimed")
+
+
 def test_the_verify_widths_switch(monkeypatch):
     from sglang_dflash.config import (WIDTHS_ENV, DFlashConfigError, fix_block_named_by_flag, verify_widths,
                                       widths_by_default, width_policy_kind)
@@ -815,7 +851,7 @@ def test_ragged_verify_is_asked_for_with_one(monkeypatch):
 
 def test_a_batch_all_in_fallback_skips_drafting_only_where_that_saves_time():
     policy = WidthPolicy(16)
-    policy.choose = lambda bs: 16  # the policy's own choice, where width 1 saves too little
+    policy.choose = lambda bs, timed=True: 16  # the policy's own choice, where width 1 saves too little
     assert policy.fallback_width(8) == 1  # nothing measured: plain decode
     for _ in range(4):
         policy.costs.observe(16, 8, 0.0040)

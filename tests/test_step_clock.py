@@ -43,5 +43,7 @@ def test_stamps_chain_the_steps_reuse_read_events_and_break_at_anything_else(mon
     made = Event.made
     clock.seconds((start1, end1))
     assert clock.stamp()[1] is end0 and Event.made == made  # a read start is recorded again, not made anew
+    assert clock.times_next
     clock.forget()  # a prefill ran
-    assert clock.stamp()[0] is None
+    assert not clock.times_next  # the width policy keeps its probes for a step that will be timed
+    assert clock.stamp()[0] is None and clock.times_next

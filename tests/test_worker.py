@@ -414,6 +414,8 @@ def test_a_sleeping_buckets_step_reads_no_request_and_is_not_timed_but_keeps_its
     DFlashWorker.on_verify_complete_cpu(worker, [0, 0, 5, 1], batch_size=4)
     assert learned == [(16, 4, [3, 0, 1, 2], None), (width, 4, [0, 0, 5, 1], ("start", "end"))]
     assert worker.fallback.misses == {"a": 1, "b": 1} and worker.width_policy.choices()["16@4"]["asleep"] == 1
+    # the step after a sleeping one is not timed (the chain broke): it holds, and probes nothing
+    assert worker.width_policy.choices()["16@4"]["untimed"] == 1 and worker.width_policy.steps == 1
 
 
 def test_a_step_is_timed_from_the_end_of_the_decode_step_before_and_a_prefill_breaks_the_chain(monkeypatch):
@@ -842,6 +844,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     from collections import Counter, deque
 
     import sglang_dflash.worker as worker_mod
+    from sglang_dflash.step_clock import StepClock
 
     class Lens(torch.Tensor):
         def record_stream(self, stream):
@@ -860,10 +863,11 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker, batch, log, pair = width_one_worker(monkeypatch, runner, decodes)
     written = []
     worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
-    worker.width_policy = SimpleNamespace(choose=lambda bs: 1, sleeping=lambda bs: None)
+    worker.width_policy = SimpleNamespace(choose=lambda bs, timed=True: 1, sleeping=lambda bs: None)
     worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
     worker.time_step = lambda width, bs, request_widths=None, stream=None: None
+    worker.clock = StepClock()  # no decode step before: this one is not timed
     worker.fallback, worker.ragged = None, False
     worker.draft_head = HEAD_WITHOUT_GRAPHS
     worker.write_context_kv = lambda *args: written.append([a.tolist() for a in args])
@@ -1095,13 +1099,16 @@ def fallback_worker(fallback, choose):
     from collections import deque
 
     from sglang_dflash.adaptive import WidthPolicy
+    from sglang_dflash.step_clock import StepClock
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.block_size, worker.fallback, worker.widths_logged_at, worker.ragged = 16, fallback, 0, False
     worker.width_policy = WidthPolicy(16, (16, 4, 1))
-    worker.width_policy.choose = choose
+    if choose is not None:
+        worker.width_policy.choose = lambda bs, timed=True: choose(bs)
+    worker.clock = StepClock()
     worker.steps_in_flight, worker.draft_head, worker.half_logits = deque(), None, None
     return worker
 
@@ -1120,7 +1127,7 @@ def test_a_batch_all_in_fallback_decodes_plainly_and_a_mixed_one_verifies_fallba
     assert DFlashWorker.choose_widths(worker, batch, 2) == (1, (["a", "b"], [1, 1]))  # the policy not asked
     assert chosen == [2, 2]
     assert worker.width_policy.widths_used() == {1: 1}  # the policy's own choices went through its choose
-    worker.width_policy.fallback_width = lambda bs, fallen_tokens=1.0: 16  # a host-bound pair: width 1 saves too little
+    worker.width_policy.fallback_width = lambda bs, fallen_tokens=1.0, timed=True: 16  # a host-bound pair: width 1 saves too little
     for _ in range(3):
         last = DFlashWorker.choose_widths(worker, batch, 2)
     assert last == (16, (["a", "b"], [16, 16])) and chosen == [2, 2, 2, 2]
@@ -1241,7 +1248,7 @@ def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_wid
     worker.fallback, counted = ForcedFallback(), []
     worker.fallback.steps = 2  # the next step is one of the pattern's all-fallback steps
     worker.width_policy = SimpleNamespace(choose=never, sleeping=lambda bs: None,
-                                          fallback_width=lambda bs, fallen_tokens=1.0: counted.append((bs, 1)) or 1)
+                                          fallback_width=lambda bs, fallen_tokens=1.0, timed=True: counted.append((bs, 1)) or 1)
     batch.reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.speculative_num_draft_tokens == 1 and result.next_token_ids.tolist() == [22, 25]
