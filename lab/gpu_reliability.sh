@@ -21,11 +21,8 @@
 # switching test (514 s). On a fresh machine a 300 s load ends too late beside anything (kit and
 # SmolLM2 set-up 1.5 minutes, a first start 3): give it a warm machine or its own call.
 # DFLASH_ODD_IMPLS, DFLASH_ODD_CASES, DFLASH_LOAD_PAIRS and DFLASH_LOAD_IMPL (ar: plain decoding
-# under the same load) split the group across calls; reliability_summary.py joins them. What 0.5.23
-# still lacks (2026-12-02), a call each on a warm machine:
-#   DFLASH_LOAD_PAIRS=smollm2 DFLASH_ODD_IMPLS=builtin DFLASH_ODD_CASES="empty prompt on /v1/completions,empty text" bash lab/gpu_reliability.sh --beside-load odd_requests
-#   DFLASH_LOAD_PAIRS=qwen3.5-hybrid DFLASH_HYBRID_RUNS=plugin_switching bash lab/gpu_reliability.sh --beside-load-tests "hybrid and not reliability"
-#   DFLASH_LOAD_IMPL=ar DFLASH_LOAD_PAIRS=smollm2 bash lab/gpu_reliability.sh load
+# under the same load) split the group across calls; reliability_summary.py joins them. 0.5.23 is
+# measured in full (2026-12-02); 0.5.17 still lacks the whole group (docs/gpu-lab.md).
 # SGLANG_VERSION picks the release (default 0.5.23). Evidence and server logs go to $OUT.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
