@@ -5,6 +5,7 @@
     DFLASH_HYBRID_RUNS=plugin_switching bash lab/gpu_tests.sh hybrid  # a new verify width every step
     DFLASH_HYBRID_RUNS=plugin_window,plugin_ring bash lab/gpu_tests.sh hybrid  # draft K/V in a ring, beside the window
     DFLASH_HYBRID_ARCH=qwen3_next bash lab/gpu_tests.sh hybrid  # the Qwen3-Next MoE hybrid instead
+    DFLASH_HYBRID_PROMPTS=64 bash lab/gpu_tests.sh hybrid       # fewer greedy prompts (200 by default)
 
 Every server runs the same random Qwen3.5 target (``make_tiny_pair.py --target-arch qwen3_5``)
 with the radix cache and ``--mamba-radix-cache-strategy extra_buffer``; the draft has a
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hybrid]
 INTERVAL = 32  # --mamba-track-interval: a checkpoint every 32 tokens (>= 2 blocks, see worker)
 WINDOW = 1024  # --speculative-draft-window-size, far below the long prompts
 LONG_PROMPTS = (8448, 9000)
+SHORT_PROMPTS = int(os.environ.get("DFLASH_HYBRID_PROMPTS", 200))  # greedy prompts of 128 new tokens
 FLAGS = ["--dtype", "bfloat16", "--mamba-radix-cache-strategy", "extra_buffer",
          "--mamba-track-interval", str(INTERVAL)]
 # name: (implementation, extra flags, extra environment)
@@ -56,7 +58,7 @@ def hybrid_pair():
 
 def short_prompts():
     rng = random.Random(21)
-    return [[rng.randrange(10, 4000) for _ in range(rng.randrange(8, 64))] for _ in range(64)]
+    return [[rng.randrange(10, 4000) for _ in range(rng.randrange(8, 64))] for _ in range(SHORT_PROMPTS)]
 
 
 def long_prompts():
