@@ -93,6 +93,8 @@ HOOK_TARGETS = {
     "refuse_unrunnable_prompt": "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "card_flags": "sglang.srt.server_args.prepare_server_args",
     "plain_step": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+    "ring_target_cell": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
+    "ring_set_aside": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
 }
 SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resolution record
 # Target attention backends on which a width-1 step runs as a plain DECODE forward. Their decode
@@ -177,6 +179,14 @@ class SGLangRelease:
         if (Phase.PREFILL, "bs") in getattr(server_args, "_cuda_graph_config_locked", ()):
             return None
         return with_phase(config, Phase.PREFILL, bs=[1, *prefill.bs])
+
+    def schedule_setting(self, server_args, name: str):
+        """A resolved scheduling setting (``max_running_requests``) inside a scheduler process."""
+        if self.has("declared_resolution"):
+            from sglang.srt.runtime_context import get_schedule
+
+            return getattr(get_schedule(), name)
+        return getattr(server_args, name)
 
     def spec_setting(self, server_args, name: str):
         """A resolved speculative setting inside a scheduler process."""
@@ -386,10 +396,13 @@ class SGLangRelease:
             targets["stop_before_length"] = HOOK_TARGETS["stop_before_length"]
         if not self.has("logprobs_reach_worker"):
             targets["allow_logprobs"] = HOOK_TARGETS["allow_logprobs"]
-        from .config import scheduler_ledger
+        from .config import draft_ring, scheduler_ledger
 
         if scheduler_ledger():
             targets["plain_step"] = HOOK_TARGETS["plain_step"]
+        if draft_ring():  # the target's KV pool sized without a draft row per token
+            targets["ring_target_cell"] = HOOK_TARGETS["ring_target_cell"]
+            targets["ring_set_aside"] = HOOK_TARGETS["ring_set_aside"]
         return targets
 
     def symbols(self) -> list[Symbol]:

@@ -16,17 +16,94 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from typing import Optional
 
 import torch
 
 from sglang.srt.runtime_context import get_parallel
 
-from .config import DRAFT_RING_ENV, RAGGED_ENV, draft_ring
-from .draft import DraftBlock, DraftRing, DraftWindow
+from .config import (DRAFT_RING_ENV, RAGGED_ENV, DFlashConfigError, DFlashDraftConfig, draft_ring, ragged_verify,
+                     read_draft_config)
+from .draft import DraftBlock, DraftRing, DraftWindow, draft_kv_bytes_per_token, ring_budget, ring_tokens
 from .sampling import to_device_async
 
 logger = logging.getLogger("sglang_dflash")
+# What the target's KV pool was sized on under the ring, in this process (``dflash.draft_kv.budget``).
+RING_BUDGET: dict = {}
+
+
+def ring_unserved(server_args, release, ragged: bool) -> Optional[str]:
+    """Why draft K/V cannot live in a ring on this server, or None: whatever reads the draft pool by
+    the target's slot (the hierarchical cache's backup, PD transfer) or pages it would miss it.
+    Asked before any pool exists too, by the target's KV budget (:func:`size_target_cell_for_ring`)."""
+    args = release.resolving(server_args)
+    if ragged:
+        return f"not with {RAGGED_ENV}"
+    if getattr(args, "enable_hierarchical_cache", False):
+        return "the hierarchical cache backs draft K/V up by the target's slots"
+    if (getattr(args, "page_size", None) or 1) != 1:
+        return "page_size above 1"
+    if release.pd_role(args) is not None:
+        return "PD disaggregation moves draft K/V by the target's slots"
+    return None
+
+
+def size_target_cell_for_ring(init, configurator, kvc, release) -> None:
+    """Under the ring the draft's K/V no longer grows with the target's tokens (step 3 of
+    docs/design/draft-window-memory.md). SGLang's ``DefaultPoolConfigurator`` prices a token at the
+    target's K/V plus the draft's; here, once ``init`` has run, the target's cell is priced alone
+    (SGLang's draft-layer count hidden from a second ``init``) and the ring's bytes, for the rows the
+    server may hold, are set aside whole (:func:`set_aside_ring`). Anything unreadable leaves
+    SGLang's sizing as it is, which over-reserves for the ring and is safe."""
+    if kvc.is_draft_worker or not kvc.spec_algorithm.is_dflash_family():
+        return
+    args = kvc.server_args
+    window = release.spec_setting(args, "speculative_draft_window_size")
+    block = release.spec_setting(args, "speculative_num_draft_tokens")
+    rows = release.schedule_setting(args, "max_running_requests")
+    config_class = getattr(sys.modules.get(type(configurator).__module__), "MemoryPoolConfig", None)
+    with_draft = getattr(configurator, "_cell_size", None)
+    aux = getattr(kvc, "spec_aux_config", None)
+    if (None in (window, block, rows, with_draft, aux) or not dataclasses.is_dataclass(config_class)
+            or ring_unserved(args, release, ragged_verify()) is not None):
+        return
+    try:
+        cfg = DFlashDraftConfig.from_dict(read_draft_config(args.speculative_draft_model_path) or {})
+    except DFlashConfigError:
+        return
+    layers, aux.dflash_draft_num_layers = aux.dflash_draft_num_layers, None
+    try:
+        init(configurator, kvc)
+    finally:
+        aux.dflash_draft_num_layers = layers
+    target_cell = configurator._cell_size
+    own = draft_kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                   int(getattr(args, "tp_size", 1) or 1),
+                                   torch._utils._element_size(kvc.kv_cache_dtype))
+    draft_cell = max(with_draft - target_cell, own)  # SGLang's figure where larger: it was sized on it
+    configurator.dflash_ring = (target_cell, draft_cell, ring_tokens(int(window), int(block), int(rows)) * draft_cell)
+
+
+def set_aside_ring(configurator, available_bytes: int) -> int:
+    """The bytes left for the target's KV pool once the ring's are set aside (all of them without a
+    ring), noting what the pool was sized on for the report and the log."""
+    ring = getattr(configurator, "dflash_ring", None)
+    if ring is None:
+        return available_bytes
+    target_cell, draft_cell, ring_bytes = ring
+    budget = ring_budget(available_bytes, target_cell, draft_cell, ring_bytes)
+    if budget != RING_BUDGET and get_parallel().tp_rank == 0:
+        logger.info("DFLASH draft ring: %.1f MiB set aside; the target's KV pool at %d bytes a token instead of %d: "
+                    "%d tokens instead of %d", budget["ring_mib"], target_cell, target_cell + draft_cell,
+                    budget["target_tokens"], budget["target_tokens_without_ring"])
+        if budget["target_tokens"] < budget["target_tokens_without_ring"]:
+            logger.warning("DFLASH draft ring: it takes more than a draft row per target token would at this "
+                           "budget; fewer --max-running-requests or no %s gives the target more tokens",
+                           DRAFT_RING_ENV)
+    RING_BUDGET.clear()
+    RING_BUDGET.update(budget)
+    return max(available_bytes - ring_bytes, 0)
 
 
 class ContextInVerifyGraph:
@@ -90,20 +167,10 @@ class DraftContext:
         return memory_pool_config
 
     def _draft_ring_unserved(self, memory_pool_config) -> Optional[str]:
-        """Why draft K/V cannot live in a ring here, or None. Whatever reads the draft pool by the
-        target's slot (the hierarchical cache's backup, PD transfer) or pages it would miss it."""
-        args = self.release.resolving(self.server_args)
+        """Why draft K/V cannot live in a ring here, or None (:func:`ring_unserved`)."""
         if memory_pool_config is None or not dataclasses.is_dataclass(memory_pool_config):
             return "this release hands the draft no pool config to size"
-        if self.ragged:
-            return f"not with {RAGGED_ENV}"
-        if getattr(args, "enable_hierarchical_cache", False):
-            return "the hierarchical cache backs draft K/V up by the target's slots"
-        if (getattr(args, "page_size", None) or 1) != 1:
-            return "page_size above 1"
-        if self.release.pd_role(args) is not None:
-            return "PD disaggregation moves draft K/V by the target's slots"
-        return None
+        return ring_unserved(self.server_args, self.release, self.ragged)
 
     def draft_kv_report(self) -> dict:
         """How the draft's K/V is kept: a row per target slot, or a ring per request (its size fixed
@@ -113,6 +180,8 @@ class DraftContext:
                   "tokens": getattr(pool, "size", None), "window": self.window.size if self.window else None}
         if isinstance(self.window, DraftRing):
             report["ring_slots_per_request"] = self.window.ring
+            if RING_BUDGET:  # the target's pool sized without a draft row per token
+                report["budget"] = dict(RING_BUDGET)
         return report
 
     def write_prefill_context(self, batch, hidden) -> None:

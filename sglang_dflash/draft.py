@@ -158,6 +158,28 @@ class DraftRing(DraftWindow):
         return dataclasses.replace(config, max_total_num_tokens=self.tokens)
 
 
+def ring_tokens(window: int, block_size: int, max_running_requests: int) -> int:
+    """The most tokens a :class:`DraftRing` holds: a ring per request row and SGLang's dummy row.
+    Rows are decided after the target's pool, never more than ``max_running_requests``."""
+    return (max_running_requests + 1) * (window + block_size)
+
+
+def draft_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, tp_size: int,
+                             element_size: int) -> int:
+    """Draft K/V bytes a token takes on one rank: K and V in every draft layer, the KV heads split
+    over tensor-parallel ranks (at least one each)."""
+    return num_layers * max(1, num_kv_heads // tp_size) * head_dim * 2 * element_size
+
+
+def ring_budget(available_bytes: int, target_cell: int, draft_cell: int, ring_bytes: int) -> dict:
+    """The target's KV tokens with the draft's K/V in a fixed ring (its bytes set aside first,
+    then a token costs the target's own cell) beside a row per target slot (a token costs both)."""
+    with_ring = max(available_bytes - ring_bytes, 0) // target_cell if target_cell else 0
+    per_slot = available_bytes // (target_cell + draft_cell) if target_cell + draft_cell else 0
+    return {"ring_mib": round(ring_bytes / 2**20, 1), "target_bytes_per_token": target_cell,
+            "draft_bytes_per_token": draft_cell, "target_tokens": with_ring, "target_tokens_without_ring": per_slot}
+
+
 def draft_weights_fp8(draft_model) -> bool:
     """The draft's linears were quantised to fp8 (SGLang's online quantisation of a 16-bit checkpoint)."""
     return any(p.dtype == FP8 for p in draft_model.parameters())

@@ -23,6 +23,9 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
 * ``server_args.prepare_server_args``: the DFlash model cards' flag names the release renamed are
   taken under the release's names, with a log line (``card_flags.py``); kept where the built-in
   serves DFLASH too.
+* ``DefaultPoolConfigurator.__init__`` and ``.calculate_pool_sizes`` (with ``SGLANG_DFLASH_DRAFT_RING=1``):
+  the draft's K/V lives in a fixed ring, so the target's KV pool is priced at its own cell per token
+  and the ring's bytes are set aside whole (``context.py``).
 * ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
   DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
 
@@ -101,6 +104,8 @@ def register() -> None:
         "refuse_unrunnable_prompt": refuse_unrunnable_prompt_hook,
         "card_flags": card_flags_hook,
         "plain_step": plain_step_hook,
+        "ring_target_cell": ring_target_cell_hook,
+        "ring_set_aside": ring_set_aside_hook,
     }
     for name, target in release.hook_targets().items():
         HookRegistry.register(target, hooks[name], HookType.AROUND)
@@ -292,6 +297,20 @@ def plain_step_hook(original, worker, batch=None, *args, **kwargs):
         return original(worker, batch, *args, **kwargs)
     finally:
         _ledger.end(mode, bs, tokens, 1 if mode == "decode" else None)
+
+
+def ring_target_cell_hook(original, configurator, kvc, *args, **kwargs):
+    original(configurator, kvc, *args, **kwargs)
+    if _serving:  # the target's runner, built by the plugin's worker
+        from .context import size_target_cell_for_ring
+
+        size_target_cell_for_ring(original, configurator, kvc, _release())
+
+
+def ring_set_aside_hook(original, configurator, available_bytes, page_size, *args, **kwargs):
+    from .context import set_aside_ring
+
+    return original(configurator, set_aside_ring(configurator, available_bytes), page_size, *args, **kwargs)
 
 
 def server_info_hook(original, scheduler, recv_req):

@@ -1,6 +1,7 @@
 """SGLANG_DFLASH_DRAFT_RING: draft K/V in a ring of W + B slots per request row (draft.DraftRing)."""
 
 import dataclasses
+import os
 import random
 from types import SimpleNamespace
 
@@ -213,3 +214,122 @@ def test_where_the_ring_cannot_serve_it_says_why(monkeypatch):
         assert why in DFlashWorker._draft_ring_unserved(worker, Config(100))
     worker.server_args, worker.ragged = SimpleNamespace(**args), True
     assert "SGLANG_DFLASH_RAGGED" in DFlashWorker._draft_ring_unserved(worker, Config(100))
+
+
+@dataclasses.dataclass
+class MemoryPoolConfig:  # what size_target_cell_for_ring looks for beside the configurator
+    max_total_num_tokens: int
+
+
+class PricedPerToken:
+    """SGLang's DefaultPoolConfigurator as both releases have it: a token priced at the target's
+    K/V cell, plus the draft's where the target runner was told its layer count."""
+
+    TARGET, DRAFT = 36_864, 8_192  # bytes a token
+
+    def __init__(self, kvc):
+        draft = kvc.spec_aux_config.dflash_draft_num_layers
+        self._cell_size = self.TARGET + (self.DRAFT if draft else 0)
+
+    def calculate_pool_sizes(self, available_bytes, page_size):
+        return MemoryPoolConfig(available_bytes // self._cell_size // page_size * page_size)
+
+
+def ring_server(tmp_path, **change):
+    import json
+
+    from conftest import draft_config_dict
+
+    os.makedirs(tmp_path / "draft", exist_ok=True)
+    # 2 layers x 2 KV heads x 64 dims x (K, V) x 2 bytes: 1 KiB a token, below SGLang's 8 KiB figure
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(draft_config_dict(head_dim=64)))
+    args = dict(speculative_draft_window_size=4096, speculative_num_draft_tokens=16, max_running_requests=48,
+                speculative_draft_model_path=str(tmp_path / "draft"), tp_size=1, page_size=1,
+                enable_hierarchical_cache=False, pd=None)
+    args.update(change)
+    kvc = SimpleNamespace(is_draft_worker=False, spec_algorithm=SimpleNamespace(is_dflash_family=lambda: True),
+                          server_args=SimpleNamespace(**args), kv_cache_dtype=torch.bfloat16,
+                          spec_aux_config=SimpleNamespace(dflash_draft_num_layers=2))
+    release = SimpleNamespace(resolving=lambda a: a, spec_setting=getattr, schedule_setting=getattr,
+                              pd_role=lambda a: a.pd)
+    return kvc, release
+
+
+@pytest.fixture
+def budget(monkeypatch):
+    """What the server reports of its budget, fresh for each test, on a rank 0 of its own."""
+    from sglang_dflash import context
+
+    monkeypatch.setattr(context, "RING_BUDGET", {})
+    monkeypatch.setattr(context, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
+    return context
+
+
+def sized(kvc, release, available):
+    from sglang_dflash.context import set_aside_ring, size_target_cell_for_ring
+
+    configurator = PricedPerToken(kvc)
+    size_target_cell_for_ring(PricedPerToken.__init__, configurator, kvc, release)
+    return configurator, configurator.calculate_pool_sizes(set_aside_ring(configurator, available), 1)
+
+
+def test_under_the_ring_the_target_token_is_priced_alone_and_the_ring_set_aside_whole(tmp_path, budget):
+    context = budget
+    kvc, release = ring_server(tmp_path)
+    available = 100 * 2**30
+    configurator, config = sized(kvc, release, available)
+    ring_bytes = 49 * (4096 + 16) * 8_192  # the rows the server may hold, SGLang's dummy row included
+    assert configurator.dflash_ring == (36_864, 8_192, ring_bytes)  # SGLang's draft figure, the larger
+    assert config.max_total_num_tokens == (available - ring_bytes) // 36_864
+    assert kvc.spec_aux_config.dflash_draft_num_layers == 2  # SGLang's field is put back
+    assert context.RING_BUDGET["target_tokens"] == config.max_total_num_tokens
+    assert context.RING_BUDGET["target_tokens_without_ring"] == available // (36_864 + 8_192)
+    # the target gains what the draft rows per token took, less the ring: 1.21x here
+    assert 1.2 < config.max_total_num_tokens / (available // (36_864 + 8_192)) < 1.23
+
+
+def test_the_ring_budget_leaves_sglangs_sizing_where_the_ring_is_not_served(tmp_path, budget):
+    context = budget
+    available = 100 * 2**30
+    per_token = available // (36_864 + 8_192)
+    for change in (dict(enable_hierarchical_cache=True), dict(page_size=16), dict(pd="decode"),
+                   dict(speculative_draft_window_size=None), dict(max_running_requests=None),
+                   dict(speculative_draft_model_path=str(tmp_path / "nowhere"))):
+        kvc, release = ring_server(tmp_path, **change)
+        configurator, config = sized(kvc, release, available)
+        assert not hasattr(configurator, "dflash_ring"), change
+        assert config.max_total_num_tokens == per_token
+    kvc, release = ring_server(tmp_path)
+    kvc.is_draft_worker = True  # the draft runner's own pool is sized by the worker, to the ring
+    assert not hasattr(sized(kvc, release, available)[0], "dflash_ring") and context.RING_BUDGET == {}
+
+
+def test_a_ring_larger_than_draft_rows_per_token_says_so(tmp_path, budget, caplog):
+    kvc, release = ring_server(tmp_path, max_running_requests=1024)
+    with caplog.at_level("INFO", logger="sglang_dflash"):
+        _, config = sized(kvc, release, 8 * 2**30)
+    assert config.max_total_num_tokens < (8 * 2**30) // (36_864 + 8_192)
+    assert "fewer --max-running-requests" in caplog.records[-1].getMessage()
+
+
+def test_the_ring_budget_hooks_sglangs_pool_configurator_on_this_release(monkeypatch):
+    """The contract: both hook targets exist, and SGLang's sizing reads the draft-layer field the
+    budget hides from its second pricing and keeps the price where the budget reads it."""
+    import inspect
+
+    from sglang_dflash import compat
+    from sglang_dflash.config import DRAFT_RING_ENV
+
+    monkeypatch.setenv(DRAFT_RING_ENV, "1")
+    targets = compat.running().hook_targets()
+    from sglang.srt.model_executor import pool_configurator
+
+    for name in ("ring_target_cell", "ring_set_aside"):
+        module, _, qualname = targets[name].rpartition(".DefaultPoolConfigurator.")
+        assert module == pool_configurator.__name__ and hasattr(pool_configurator.DefaultPoolConfigurator, qualname)
+    source = inspect.getsource(pool_configurator.DefaultPoolConfigurator.__init__)
+    assert "spec_aux_config.dflash_draft_num_layers" in source and "self._cell_size" in source
+    assert dataclasses.is_dataclass(pool_configurator.MemoryPoolConfig)
+    assert compat.missing_symbols(compat.running(), compat.installed_source_root()) == []
+    monkeypatch.setenv(DRAFT_RING_ENV, "0")
+    assert "ring_target_cell" not in compat.running().hook_targets()

@@ -218,6 +218,26 @@ def test_the_running_release_gets_all_its_hooks(monkeypatch):
     assert any(t.endswith("validate_dflash_request") for t in targets) == (RELEASE.version == "0.5.17")
 
 
+def test_the_draft_ring_registers_its_budget_hooks_and_they_act_in_a_plugin_server_only(monkeypatch):
+    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_RING", "1")
+    targets = registered_targets(monkeypatch, RELEASE)
+    assert [t for t in targets if ".DefaultPoolConfigurator." in t] == [
+        compat.HOOK_TARGETS["ring_target_cell"], compat.HOOK_TARGETS["ring_set_aside"]]
+    seen = []
+
+    def init(configurator, kvc):
+        seen.append(kvc)
+
+    monkeypatch.setattr("sglang_dflash.context.size_target_cell_for_ring", lambda *a: seen.append("ring"))
+    monkeypatch.setattr(integration, "_serving", False)  # EAGLE, the built-in DFLASH: SGLang's own sizing
+    integration.ring_target_cell_hook(init, object(), "kvc")
+    monkeypatch.setattr(integration, "_serving", True)
+    integration.ring_target_cell_hook(init, object(), "kvc")
+    assert seen == ["kvc", "kvc", "ring"]
+    monkeypatch.delenv("SGLANG_DFLASH_DRAFT_RING")
+    assert not [t for t in registered_targets(monkeypatch, RELEASE) if ".DefaultPoolConfigurator." in t]
+
+
 def test_logprob_requests_pass_only_a_plugin_dflash_servers_check(monkeypatch):
     """0.5.17's check refuses return_logprob first: in a plugin server it sees the request without
     it, so its other checks (hidden states under overlap) still speak; elsewhere it is SGLang's."""

@@ -157,6 +157,8 @@ def test_hybrid_greedy_and_long_prompts_match_ar_up_to_near_ties(name):
         assert set(rep["widths_used"] or {}) == {"16", "8", "4", "2", "1"}, rep["widths_used"]
     if name == "plugin_ring":  # draft memory fixed by the window, far below the target's token pool
         assert rep["draft_kv"]["layout"] == "ring" and rep["draft_kv"]["ring_slots_per_request"] == WINDOW + 16, rep
+        budget = rep["draft_kv"].get("budget") or {}  # the memory saved went to the target's KV pool
+        assert budget.get("target_tokens", 0) > budget.get("target_tokens_without_ring", 0), rep["draft_kv"]
 
 
 @pytest.mark.parametrize("name", [
