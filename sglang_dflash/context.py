@@ -72,16 +72,22 @@ def size_target_cell_for_ring(init, configurator, kvc, release) -> None:
         cfg = DFlashDraftConfig.from_dict(read_draft_config(args.speculative_draft_model_path) or {})
     except DFlashConfigError:
         return
+    try:
+        element = torch._utils._element_size(kvc.kv_cache_dtype)
+    except (AttributeError, RuntimeError, TypeError):  # a packed dtype: SGLang's own figure alone
+        element = 0
+    own = draft_kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                   int(getattr(args, "tp_size", 1) or 1), element)
     layers, aux.dflash_draft_num_layers = aux.dflash_draft_num_layers, None
     try:
         init(configurator, kvc)
     finally:
         aux.dflash_draft_num_layers = layers
     target_cell = configurator._cell_size
-    own = draft_kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                   int(getattr(args, "tp_size", 1) or 1),
-                                   torch._utils._element_size(kvc.kv_cache_dtype))
     draft_cell = max(with_draft - target_cell, own)  # SGLang's figure where larger: it was sized on it
+    if draft_cell <= 0 or target_cell <= 0:  # nothing to set aside by: SGLang's sizing stands
+        configurator._cell_size = with_draft
+        return
     configurator.dflash_ring = (target_cell, draft_cell, ring_tokens(int(window), int(block), int(rows)) * draft_cell)
 
 

@@ -300,6 +300,11 @@ def test_the_ring_budget_leaves_sglangs_sizing_where_the_ring_is_not_served(tmp_
         assert not hasattr(configurator, "dflash_ring"), change
         assert config.max_total_num_tokens == per_token
     kvc, release = ring_server(tmp_path)
+    kvc.kv_cache_dtype = "a packed dtype"  # no element size, and SGLang's figure counted no draft
+    kvc.spec_aux_config.dflash_draft_num_layers = None
+    configurator, config = sized(kvc, release, available)
+    assert config.max_total_num_tokens == available // 36_864 and not hasattr(configurator, "dflash_ring")
+    kvc, release = ring_server(tmp_path)
     kvc.is_draft_worker = True  # the draft runner's own pool is sized by the worker, to the ring
     assert not hasattr(sized(kvc, release, available)[0], "dflash_ring") and context.RING_BUDGET == {}
 
