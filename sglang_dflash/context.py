@@ -209,10 +209,11 @@ class DraftContext:
         if not kept:
             return
         keep = to_device_async(torch.tensor(kept, dtype=torch.int64), self.device)
-        token_rows = to_device_async(torch.tensor([r for r, n in zip(rows, batch.extend_lens) for _ in range(n)],
-                                                  dtype=torch.int64), self.device)
+        # each request's row once for each token kept of it: its last min(n, W), as ring.kept orders them
+        kept_rows = to_device_async(torch.tensor([r for r, n in zip(rows, batch.extend_lens)
+                                                  for _ in range(min(int(n), ring.size))], dtype=torch.int64), self.device)
         kept_positions = positions[keep]
-        self.write_context_kv(hidden[keep], kept_positions, ring.slots(token_rows[keep], kept_positions))
+        self.write_context_kv(hidden[keep], kept_positions, ring.slots(kept_rows, kept_positions))
 
     def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor,
                        req_pool_indices: Optional[torch.Tensor] = None) -> None:
