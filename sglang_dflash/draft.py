@@ -113,7 +113,7 @@ class DraftRing(DraftWindow):
         super().__init__(size, block_size, shared_pool, device)
         self.ring = size + block_size
         self.rows = shared_pool.size + 1  # SGLang's request rows, dummy row 0 included
-        self.tokens = self.rows * self.ring  # the draft's whole KV pool, fixed at start
+        self.tokens = ring_tokens(size, block_size, shared_pool.size)  # the draft's whole KV pool, fixed at start
         self.lo = torch.zeros(self.rows, dtype=torch.int64, device=device)  # first position the row holds
         self.owners: dict[int, tuple] = {}  # row -> (rid, generation) that wrote it last
 
