@@ -22,7 +22,9 @@
 # SmolLM2 set-up 1.5 minutes, a first start 3): give it a warm machine or its own call.
 # DFLASH_ODD_IMPLS, DFLASH_ODD_CASES, DFLASH_LOAD_PAIRS and DFLASH_LOAD_IMPL (ar: plain decoding
 # under the same load) split the group across calls; reliability_summary.py joins them. 0.5.23 is
-# measured in full (2026-12-02); 0.5.17 still lacks the whole group (docs/gpu-lab.md).
+# measured in full (2026-12-02); on 0.5.17 the odd requests and openai (2026-12-02).
+# 0.5.17 (H200): plain decoding's odd requests 486 s on a fresh machine, the plugin's and the built-in's 446 s,
+# openai 275 s; staging: kit 1-2, kit 3 with SmolLM2 1-2, SmolLM2 3-4.
 # SGLANG_VERSION picks the release (default 0.5.23). Evidence and server logs go to $OUT.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
