@@ -555,10 +555,13 @@ class WidthPolicy:
     def held(self) -> dict[str, dict]:
         """What each bucket's held width is chosen on now: ``{bucket: {"width", "by_width": {width:
         {"ms", "tokens", "tokens_per_ms"}}}}``, each measured width's cost estimate and the tokens
-        it is expected to commit a step, so a choice can be checked against the figures it read."""
+        it is expected to commit a step, so a choice can be checked against the figures it read.
+        A bucket timed but never decided on holds full width, and is shown with its figures too
+        (SmolLM2 under a c64 load of mixed parameters, H200, 2026-12-02: bs 64 ran 2,493 steps of
+        width 16 against a width 1 that read twice its tokens a millisecond, and was missing here)."""
         self._learn()
         out: dict[str, dict] = {}
-        for b in sorted(self.current):
+        for b in sorted(set(self.current) | {b for _, b in self.costs.seconds}):
             by_width = {}
             for w in self.widths:
                 seconds = self.costs.estimate(w, b)
@@ -566,7 +569,7 @@ class WidthPolicy:
                     tokens = self.acceptance.expected_tokens(w)
                     by_width[str(w)] = {"ms": round(seconds * 1000, 3), "tokens": round(tokens, 3),
                                         "tokens_per_ms": round(tokens / seconds / 1000, 3)}
-            out[str(b)] = {"width": self.current[b], "by_width": by_width}
+            out[str(b)] = {"width": self.current.get(b, max(self.widths)), "by_width": by_width}
         return out
 
     def switches(self) -> list[dict]:

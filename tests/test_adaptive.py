@@ -541,8 +541,14 @@ def test_probes_wait_for_a_timed_step_where_most_steps_follow_a_prefill():
         return policy
 
     for seed in (1, 2):
-        blind = run(False, seed).choices()  # as on the GPU: the probes land where nothing is timed
+        blind_policy = run(False, seed)
+        blind = blind_policy.choices()  # as on the GPU: the probes land where nothing is timed
         assert blind["16@64"]["best"] > 2000 and "best" not in blind["1@64"], blind
+        # /get_server_info shows the figures the held width stands on, even never decided on
+        figures = blind_policy.held()["64"]
+        assert figures["width"] == 16 and {"1", "16"} <= set(figures["by_width"]), figures
+        by_width = figures["by_width"]
+        assert by_width["1"]["tokens_per_ms"] > by_width["16"]["tokens_per_ms"], figures
         told = run(True, seed)
         choices = told.choices()
         assert choices["1@64"]["best"] + choices["1@64"]["untimed"] > 2000, choices
