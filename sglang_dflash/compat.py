@@ -251,6 +251,12 @@ class SGLangRelease:
 
         return get_exec().mamba.mamba_track_interval
 
+    def sampling_backend(self) -> Optional[str]:
+        """SGLang's ``--sampling-backend`` as its sampler reads it (``flashinfer`` on CUDA by default)."""
+        from sglang.srt.runtime_context import get_exec
+
+        return getattr(getattr(get_exec(), "kernel", None), "sampling_backend", None)
+
     def decodes_width_one(self, attn_backend) -> bool:
         """Whether a width-1 step runs as a plain DECODE forward on this target attention backend."""
         return type(attn_backend).__name__ in DECODE_AT_WIDTH_ONE

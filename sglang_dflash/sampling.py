@@ -269,3 +269,37 @@ def argmax_only(batch, penalty_rows: Optional[torch.Tensor]) -> bool:
     return (penalty_rows is None and not batch.has_grammar and not batch.return_logprob
             and (info is None or (info.is_all_greedy and info.logit_bias is None
                                   and not info.has_custom_logit_processor)))
+
+
+@dataclass(frozen=True)
+class PlainDecodingKernels:
+    """The kernels SGLang's sampler draws plain decoding's unseeded top-k/top-p/min-p samples with
+    on its ``flashinfer`` sampling backend (the CUDA default): rejection sampling over the
+    probabilities, no sort of the vocabulary. The verify rows go through them as plain decoding's
+    one row a request does, with the same filter semantics. The torch path (SGLang's ``pytorch``
+    backend, and every seeded request) sorts each row: bs x B rows of the whole vocabulary a step."""
+
+    top_k_top_p: Callable
+    top_k_renorm: Callable
+    top_p_renorm: Callable
+    min_p: Callable
+
+    def sample(self, probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+               need_min_p: bool) -> torch.Tensor:
+        if need_min_p:
+            probs = self.top_p_renorm(self.top_k_renorm(probs, top_ks), top_ps)
+            return self.min_p(probs, min_ps)
+        return self.top_k_top_p(probs.contiguous(), top_ks, top_ps, filter_apply_order="joint")
+
+
+def plain_decoding_kernels(backend: Optional[str], sampler_module=None) -> Optional[PlainDecodingKernels]:
+    """:class:`PlainDecodingKernels` where plain decoding samples with them (``backend``, SGLang's
+    ``--sampling-backend``, is ``flashinfer`` and its sampler module holds them: CUDA builds), else
+    None: the torch path, as SGLang's own sampler takes it then."""
+    if backend != "flashinfer":
+        return None
+    if sampler_module is None:
+        from sglang.srt.layers import sampler as sampler_module
+    names = ("top_k_top_p_sampling_from_probs", "top_k_renorm_prob", "top_p_renorm_prob", "min_p_sampling_from_probs")
+    found = [getattr(sampler_module, name, None) for name in names]
+    return None if any(f is None for f in found) else PlainDecodingKernels(*found)

@@ -78,7 +78,7 @@ from .fallback import make_fallback
 from .host_pauses import StepStalls, call_shape, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
-from .sampling import HalfVerifyLogits, OutputCounts, argmax_only
+from .sampling import HalfVerifyLogits, OutputCounts, PlainDecodingKernels, argmax_only, plain_decoding_kernels
 from .step_clock import StepClock
 
 logger = logging.getLogger("sglang_dflash")
@@ -139,6 +139,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         self.draft_head: Optional[GreedyDraftHead] = None  # set with the CUDA graphs
         self.window: Optional[DraftWindow] = None  # set with the memory pools
         self.buffers = StepBuffers(self.block_size, self.device)
+        self.sampling_kernels = plain_decoding_kernels(self.release.sampling_backend())
         self.output_counts = OutputCounts(target_config.vocab_size, self.device, self.release.min_new_tokens_stop_ids)
         self.head_in_graph = False
         self.widths = verify_widths(self.block_size)
@@ -709,7 +710,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             if info is None or info.is_all_greedy:
                 target_tokens = logits.argmax(dim=-1)
             else:
-                target_tokens = sample_per_position(logits, info, block.positions, B)
+                target_tokens = sample_per_position(logits, info, block.positions, B, self.sampling_kernels)
             target_tokens = target_tokens.view(bs, B).to(torch.int64)
         acc = Accepted(**{k: bufs[k] for k in ("accept_len", "commit_len", "bonus", "out_tokens", "new_seq_lens")})
         accept_block(
@@ -777,17 +778,22 @@ def flashinfer_linear_verify(attn_backend) -> bool:
     return bool(getattr(dispatcher, "verify_kernel_is_flashinfer", False))
 
 
-def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int,
+                        kernels: Optional[PlainDecodingKernels] = None) -> torch.Tensor:
     """One target sample per verify position, drawn as SGLang's sampler draws it for plain
     decoding: temperature, then top-k/top-p/min-p, and with a per-request seed
     (``--enable-deterministic-inference``) the same hash of (seed, position), so a seeded request
-    gets plain decoding's very tokens."""
+    gets plain decoding's very tokens. Unseeded, through plain decoding's ``kernels`` where it has
+    them (:func:`~sglang_dflash.sampling.plain_decoding_kernels`)."""
     expand = lambda t: t.view(-1).repeat_interleave(block_size)  # noqa: E731
     probs = torch.softmax(logits.float() / expand(info.temperatures)[:, None], dim=-1)
     seed = info.sampling_seed
     seed = None if seed is None else expand(seed)
     if not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling):
         tokens = sampling_from_probs_torch(probs, sampling_seed=seed, positions=positions)
+    elif seed is None and kernels is not None:
+        tokens = kernels.sample(probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),
+                                info.need_min_p_sampling)
     else:
         tokens = top_k_top_p_min_p_sampling_from_probs_torch(
             probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),

@@ -226,6 +226,60 @@ def test_each_verify_position_samples_with_its_requests_seed_and_its_position(mo
         assert rest[0].tolist() == [3] * B + [1] * B
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_unseeded_verify_rows_sample_through_plain_decodings_kernels_and_seeded_ones_through_torch(monkeypatch, seeded):
+    """On SGLang's flashinfer sampling backend plain decoding draws an unseeded top-k/top-p sample
+    with FlashInfer's kernels; the verify rows go through the same ones, each position with its
+    request's parameters, instead of a sort of the whole vocabulary per row (bs x B rows a step:
+    SmolLM2 under a c64 load of mixed parameters read width 16 at 2.6x width 8's call time at bs 64).
+    A seeded request keeps the torch path, the only one that draws plain decoding's seeded tokens."""
+    import sglang_dflash.worker as worker
+    from sglang_dflash.sampling import PlainDecodingKernels
+
+    calls = []
+    monkeypatch.setattr(worker, "top_k_top_p_min_p_sampling_from_probs_torch",
+                        lambda probs, *args: calls.append(("torch",)) or probs.argmax(-1))
+
+    def joint(probs, ks, ps, filter_apply_order):
+        calls.append(("joint", probs, ks, ps, filter_apply_order))
+        return probs.argmax(-1).to(torch.int32)
+
+    kernels = PlainDecodingKernels(joint, None, None, None)
+    bs, B, V = 2, 4, 5
+    info = SimpleNamespace(temperatures=torch.tensor([[0.5], [2.0]]),
+                           sampling_seed=torch.tensor([11, 22]) if seeded else None,
+                           need_top_p_sampling=True, need_top_k_sampling=True, need_min_p_sampling=False,
+                           top_ks=torch.tensor([3, 1]), top_ps=torch.tensor([0.9, 1.0]), min_ps=torch.zeros(2))
+    logits = torch.randn(bs * B, V)
+    tokens = worker.sample_per_position(logits, info, torch.arange(bs * B), B, kernels)
+    assert tokens.dtype == torch.int64 and tokens.shape == (bs * B,)
+    if seeded:
+        assert calls == [("torch",)]
+        return
+    (kind, probs, ks, ps, order), = calls
+    assert kind == "joint" and order == "joint"
+    assert ks.tolist() == [3] * B + [1] * B and torch.equal(ps, torch.tensor([0.9] * B + [1.0] * B))
+    temps = torch.tensor([0.5] * B + [2.0] * B)[:, None]
+    torch.testing.assert_close(probs, torch.softmax(logits / temps, -1))
+
+
+def test_plain_decodings_min_p_kernels_run_in_its_order_and_other_backends_keep_the_torch_path():
+    from sglang_dflash.sampling import plain_decoding_kernels
+
+    calls = []
+    module = SimpleNamespace(
+        top_k_top_p_sampling_from_probs=lambda *a, **k: calls.append("joint"),
+        top_k_renorm_prob=lambda probs, ks: calls.append("top_k_renorm") or probs * 2,
+        top_p_renorm_prob=lambda probs, ps: calls.append("top_p_renorm") or probs + 1,
+        min_p_sampling_from_probs=lambda probs, mps: calls.append(("min_p", probs.tolist())) or probs)
+    kernels = plain_decoding_kernels("flashinfer", module)
+    kernels.sample(torch.ones(1, 2), torch.ones(1), torch.ones(1), torch.ones(1), need_min_p=True)
+    assert calls == ["top_k_renorm", "top_p_renorm", ("min_p", [[3.0, 3.0]])]
+    assert plain_decoding_kernels("pytorch", module) is None and plain_decoding_kernels(None, module) is None
+    del module.min_p_sampling_from_probs  # a build whose sampler holds no FlashInfer (CPU)
+    assert plain_decoding_kernels("flashinfer", module) is None
+
+
 def test_logprobs_of_the_committed_tokens_come_from_their_own_verify_rows():
     """The worker fills logprobs through SGLang's own function (compute_spec_logprobs from 0.5.18,
     EAGLE's compute_spec_v2_logprobs on 0.5.17): token j of request i scores in row i*B + j of the
