@@ -273,3 +273,26 @@ def test_plot_goals_holds_mt_bench_to_plain_decoding_beside_the_rigs(tmp_path):
     assert [(goal, what.split(":")[0]) for _, goal, what in series] == [(0.98, "rig, zero weights"),
                                                                        (1.0, "SmolLM2 mt-bench")]
     assert series[1][0] == [(4, 1.1, 1.05, 1.15, 9)]
+
+
+def test_the_card_commands_run_each_cards_flags_as_printed_on_its_targets_rig(monkeypatch, tmp_path):
+    """lab/card_commands.py (issue 78, item 5): the flags after the model paths are the card's, the
+    renamed ones kept as printed so the plugin's mapping is what is tried; the rig's zero weights."""
+    cards = load_lab("card_commands")
+    from sglang_dflash.bench import rig
+    from sglang_dflash.card_flags import CARD_COMMANDS, HOPPER_COMMANDS
+    from sglang_dflash.config import BLACKWELL_ONLY_BACKENDS
+
+    written = []
+    monkeypatch.setattr(rig, "write_rig", lambda out, shape: written.append(shape) or (f"{out}/t", f"{out}/d"))
+    assert {shape for shape, _ in cards.RUNS.values()} == {"qwen3.5-4b", "qwen3.5-27b", "qwen3.6-35b-a3b"}
+    assert not set(HOPPER_COMMANDS["4b"]) & set(BLACKWELL_ONLY_BACKENDS)
+    assert set(CARD_COMMANDS["4b"]) & set(BLACKWELL_ONLY_BACKENDS)  # the B200 line: refused at start on Hopper
+    for name, (shape, flags) in cards.RUNS.items():
+        cmd = cards.card_spec(name, str(tmp_path)).command(30000)
+        assert cmd[cmd.index("--model-path") + 1] == f"{tmp_path}/{shape}/t"
+        assert cmd[cmd.index("--speculative-draft-model-path") + 1] == f"{tmp_path}/{shape}/d"
+        tail = cmd[-len(flags) - 1:]
+        assert tail == list(flags) + ["--skip-tokenizer-init"], tail
+        assert "--mamba-scheduler-strategy" in cmd or name == "4b-hopper"
+    assert written == [shape for shape, _ in cards.RUNS.values()]
