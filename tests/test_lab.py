@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ def load_lab(name: str):
 
 PROBE = """
 import sys
+from types import SimpleNamespace
 from sglang.srt.sampling import penaltylib as p
 from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 class Batch:
@@ -296,3 +298,18 @@ def test_the_card_commands_run_each_cards_flags_as_printed_on_its_targets_rig(mo
         assert tail == list(flags) + ["--skip-tokenizer-init"], tail
         assert "--mamba-scheduler-strategy" in cmd or name == "4b-hopper"
     assert written == [shape for shape, _ in cards.RUNS.values()]
+
+
+def test_the_long_context_run_gives_every_server_the_window_and_only_the_ring_its_switch():
+    lc = load_lab("long_context")
+    args = SimpleNamespace(backend="fa3", window=4096, prompt_tokens=32768, max_new_tokens=256, levels=[1, 4],
+                           mem_fraction=0.8, shape="qwen3.5-4b")
+    for name, ring in (("plugin", None), ("plugin-ring", "1"), ("builtin", None)):
+        spec = lc.server_spec(name, "/t", "/d", args)
+        cmd = spec.command(30000)
+        assert cmd[cmd.index("--speculative-draft-window-size") + 1] == "4096"
+        assert int(cmd[cmd.index("--context-length") + 1]) > 32768 + 256
+        assert spec.env().get("SGLANG_DFLASH_DRAFT_RING") == ring
+        assert spec.env().get("SGLANG_DFLASH_IMPL") == ("builtin" if name == "builtin" else "plugin")
+    batch = lc.prompts(4, 100, 248320, seed=1)
+    assert len({tuple(p) for p in batch}) == 4 and all(len(p) == 100 for p in batch)
