@@ -89,7 +89,10 @@ class StepStalls:
 
     Every call is summed by mode too (``by_mode``: decode, extend, idle; calls, tokens prefilled,
     call and gap ms since start): between two reads, their call and gap times add up to the wall
-    time the scheduler spent, so a slow wave's time is placed in decode steps or admissions.
+    time the scheduler spent, so a slow wave's time is placed in decode steps or admissions. And by
+    what came before (``by_transition``: ``extend>decode``, ``decode>decode``, ...): a decode step
+    right after an admission is never timed by the width policy (:class:`~sglang_dflash.step_clock.StepClock`),
+    and where requests come and go it is most of them.
     """
 
     def __init__(self, threshold_ms: float = 50.0, keep: int = 32, per_width: int = 64):
@@ -101,6 +104,7 @@ class StepStalls:
         self.decode_calls, self.decode_call_s, self.decode_gap_s = 0, 0.0, 0.0  # since start, gap known
         self.policy_s = 0.0  # since start: the width policy's own calls (the worker adds them, :func:`policy_time`)
         self.by_mode: dict[str, list] = {}  # mode -> [calls, tokens, call s, gap s] since start
+        self.by_transition: dict[str, list] = {}  # "previous>this" mode -> [calls, call s, gap s] since start
         self._start: Optional[float] = None
         self._last_end: Optional[float] = None
         self._last_mode = ""
@@ -118,6 +122,10 @@ class StepStalls:
         ledger[1] += tokens
         ledger[2] += call
         ledger[3] += gap
+        after = self.by_transition.setdefault(f"{self._last_mode or '-'}>{mode}", [0, 0.0, 0.0])
+        after[0] += 1
+        after[1] += call
+        after[2] += gap
         if width is not None and self._last_end is not None:
             self.decode_calls += 1
             self.decode_call_s += call
@@ -145,7 +153,9 @@ class StepStalls:
                 "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
                                 "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3)},
                 "by_mode": {mode: {"calls": n, "tokens": tokens, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
-                            for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())}}
+                            for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())},
+                "by_transition": {key: {"calls": n, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
+                                  for key, (n, call, gap) in sorted(self.by_transition.items())}}
 
 
 def call_shape(batch, extend: bool) -> tuple[str, int, int]:

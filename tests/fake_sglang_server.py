@@ -60,7 +60,13 @@ def make_handler(args):
                                                       "decode": {"calls": 4 * count["n"], "tokens": 0,
                                                                  "call_ms": 8.0 * count["n"], "gap_ms": 4.0 * count["n"]},
                                                       "extend": {"calls": count["n"], "tokens": 100 * count["n"],
-                                                                 "call_ms": 3.0 * count["n"], "gap_ms": 1.0 * count["n"]}}}}
+                                                                 "call_ms": 3.0 * count["n"], "gap_ms": 1.0 * count["n"]}},
+                                                  # of the 4 decode steps, one right after the admission: 6 of the 12 ms
+                                                  "by_transition": {
+                                                      "extend>decode": {"calls": count["n"], "call_ms": 4.0 * count["n"],
+                                                                        "gap_ms": 2.0 * count["n"]},
+                                                      "decode>decode": {"calls": 3 * count["n"], "call_ms": 4.0 * count["n"],
+                                                                        "gap_ms": 2.0 * count["n"]}}}}
                 return self._json(200, {"internal_states": [state]})
             self._json(404, {"error": "not found"})
 

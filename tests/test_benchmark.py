@@ -31,7 +31,7 @@ from sglang_dflash.bench.report import paired_wave_table, plot
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
                                       ttft_parts, ttft_parts_summary, wave_host_per_step,
-                                      wave_time_by_mode)
+                                      wave_steps_by_what_came_before, wave_time_by_mode)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -374,6 +374,10 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert wave_time_by_mode(rows["plugin"]) == [{"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25},
                                                   "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625}}] * 2
     assert wave_time_by_mode(rows["ar"]) == []
+    # Decode steps after an admission apart from the steady ones: 6 ms against 2 ms a step.
+    assert wave_steps_by_what_came_before(rows["plugin"]) == [
+        {"extend>decode": {"steps": 1, "ms": 6.0}, "decode>decode": {"steps": 3, "ms": 2.0}}] * 2
+    assert "| plugin | gsm8k | 1 | 2 | 1 | 6 | 3 | 2 |" in (tmp_path / "report.md").read_text()
     assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 |" in (tmp_path / "report.md").read_text()
     assert "| plugin | gsm8k | 1 | 2 | 4 | 1 | 50.0% | 25.0% | 18.8% | 6.2% |" in (tmp_path / "report.md").read_text()
     assert rows["plugin"]["wave_serving_compiles"] == [[0, 0.0], [1, 1.18], [1, 1.18]]

@@ -1117,9 +1117,15 @@ def test_the_schedulers_time_is_summed_by_mode_apart_from_the_pauses_between_rea
     stalls.report()  # between waves
     stalls.begin()
     stalls.end("decode", 2, 0, 16)
-    assert stalls.report()["by_mode"] == {
+    report = stalls.report()
+    assert report["by_mode"] == {
         "decode": {"calls": 3, "tokens": 0, "call_ms": 11.0, "gap_ms": 3.0},
         "extend": {"calls": 1, "tokens": 300, "call_ms": 2.0, "gap_ms": 0.0}}
+    # the same time by what came before: a decode step after an admission apart from the steady ones
+    assert report["by_transition"] == {
+        "-" + ">extend": {"calls": 1, "call_ms": 2.0, "gap_ms": 0.0},
+        "extend>decode": {"calls": 1, "call_ms": 5.0, "gap_ms": 1.0},
+        "decode>decode": {"calls": 2, "call_ms": 6.0, "gap_ms": 2.0}}
 
 
 def test_a_hybrid_whose_linear_layers_verify_on_flashinfer_keeps_the_block(monkeypatch, caplog):

@@ -6,7 +6,8 @@ import json
 import os
 import statistics
 
-from .stats import paired_ratio_stats, paired_wave_cycles, wave_host_per_step, wave_time_by_mode
+from .stats import (paired_ratio_stats, paired_wave_cycles, wave_host_per_step, wave_steps_by_what_came_before,
+                    wave_time_by_mode)
 
 
 def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
@@ -74,6 +75,29 @@ def time_by_mode_table(rows: list[dict]) -> list[str]:
             "admission call | admission gap |", "|---|---|---|---|---|---|---|---|---|---|", *lines, ""]
 
 
+def steps_by_what_came_before_table(rows: list[dict]) -> list[str]:
+    """Decode steps right after an admission against those after another decode step, medians over
+    a level's waves: where requests come and go, the first kind (which the width policy never
+    times) can be most steps, and a different cost."""
+    lines = []
+    for r in rows:
+        waves = wave_steps_by_what_came_before(r)
+        if not waves:
+            continue
+
+        def median(key, part):
+            got = [w[key][part] for w in waves if key in w]
+            return f"{statistics.median(got):g}" if got else "-"
+
+        lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | "
+                     + " | ".join(median(k, p) for k in ("extend>decode", "decode>decode") for p in ("steps", "ms")) + " |")
+    if not lines:
+        return []
+    return ["## Decode steps after an admission and after a decode step: medians over waves", "",
+            "| impl | dataset | conc | waves | steps after an admission | ms each | steps after a decode step | "
+            "ms each |", "|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
     lines = ["# DFLASH benchmark", ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()] + [""]
@@ -108,6 +132,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
     lines += paired_wave_table(rows, datasets, concs)
     lines += host_time_table(rows)
     lines += time_by_mode_table(rows)
+    lines += steps_by_what_came_before_table(rows)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

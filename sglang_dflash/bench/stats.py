@@ -193,6 +193,29 @@ def wave_time_by_mode(row: dict) -> list[dict]:
     return out
 
 
+def wave_steps_by_what_came_before(row: dict) -> list[dict]:
+    """Each wave's decode steps right after an admission (``extend>decode``) and after another
+    decode step (``decode>decode``): steps and mean ms a step (the worker call and the gap before
+    it), from the running totals read after every wave (``wave_host_pauses``' ``by_transition``).
+    The width policy times only the second kind. The level's first wave is left out, as in
+    :func:`wave_host_per_step`."""
+    totals = [w.get("by_transition") for w in row.get("wave_host_pauses") or []]
+    out = []
+    for before, after in zip(totals, totals[1:]):
+        if not before or not after:
+            continue
+        wave = {}
+        for key in ("extend>decode", "decode>decode"):
+            now, then = after.get(key), before.get(key) or {}
+            calls = (now or {}).get("calls", 0) - then.get("calls", 0)
+            if calls > 0:
+                ms = now["call_ms"] + now["gap_ms"] - then.get("call_ms", 0) - then.get("gap_ms", 0)
+                wave[key] = {"steps": calls, "ms": round(ms / calls, 3)}
+        if wave:
+            out.append(wave)
+    return out
+
+
 def side_by_side(rows: list[dict]) -> dict:
     """Per concurrency: AR, plugin and built-in tok/s and accept lengths (first dataset measured)."""
     out = {}

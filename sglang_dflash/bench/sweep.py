@@ -255,7 +255,7 @@ def compile_every_level(url: str, label: str, datasets: dict, concurrencies: lis
 
 
 # What a wave keeps of the worker calls' ledger (the plugin's ``dflash.stalls``, a plain server's ``scheduler_ledger``).
-STALL_KEYS = ("stalls", "stall_ms", "recent", "decode_host", "by_mode")
+STALL_KEYS = ("stalls", "stall_ms", "recent", "decode_host", "by_mode", "by_transition")
 
 
 def host_pauses(url: str) -> Optional[dict]:
@@ -266,7 +266,7 @@ def host_pauses(url: str) -> Optional[dict]:
     dflash = info.get("dflash") or {}
     if "host_pauses" not in dflash:  # a plain server's ledger (SGLANG_DFLASH_LEDGER=1): its calls by mode
         ledger = info.get("scheduler_ledger")
-        return {k: ledger[k] for k in STALL_KEYS} if ledger else None
+        return {k: ledger[k] for k in STALL_KEYS if k in ledger} if ledger else None
     graphs = {k: dflash[k] for k in ("decode_steps", "eager_drafts") if k in dflash}
     if "eager_verifies" in dflash:
         graphs["eager_verifies"] = sum(dflash["eager_verifies"].values())
