@@ -646,7 +646,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
                                              "host_ms_by_width": {}, "decode_host": {"calls": 0, "call_ms": 0.0,
                                                                                      "gap_ms": 0.0, "policy_ms": 0.0},
-                                             "by_mode": {}}
+                                             "by_mode": {}, "by_transition": {}}
     from sglang_dflash.draft_input import bulk_prepare_serves
 
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()
