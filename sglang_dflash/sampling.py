@@ -171,10 +171,20 @@ class OutputCounts:
             return None
         return self._to_device(torch.tensor(found, dtype=torch.int64))
 
+    # Logit entries penalize_block takes at once: its full-size temporaries (the repetition
+    # penalty's where) are about four copies of what it is given in float32, so 32 requests x 16
+    # positions of a 248,320-token vocabulary would take 8 GB more at once; this keeps them near 0.5 GB.
+    CHUNK_ENTRIES = 1 << 25
+
     def penalize(self, logits: torch.Tensor, candidates: torch.Tensor, rows: torch.Tensor) -> None:
-        p = Penalties(self.frequency[rows], self.presence[rows], self.repetition[rows],
-                      self.min_new_tokens[rows], self.stop_mask[rows])
-        penalize_block(logits, candidates, self.counts[rows], self.n_out[rows], p)
+        """``logits [bs, B, V]`` in place, a few requests at a time (:data:`CHUNK_ENTRIES`)."""
+        bs, B, V = logits.shape
+        step = max(1, self.CHUNK_ENTRIES // (B * V))
+        for lo in range(0, bs, step):
+            part = rows[lo:lo + step]
+            p = Penalties(self.frequency[part], self.presence[part], self.repetition[part],
+                          self.min_new_tokens[part], self.stop_mask[part])
+            penalize_block(logits[lo:lo + step], candidates[lo:lo + step], self.counts[part], self.n_out[part], p)
 
     def commit(self, rows: torch.Tensor, candidates: torch.Tensor, commit_len: torch.Tensor) -> None:
         """Add candidates 0..commit_len-1 (the old bonus and the accepted drafts) to the counts."""

@@ -166,12 +166,15 @@ def run_server_like(target, prompts, params, proposer, block_size, max_new, stop
     return [r.output_ids for r in reqs]
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("block_size,chunk_requests", [(4, None), (8, None), (8, 1), (4, 3)])
 @torch.no_grad()
-def test_server_path_gives_plain_decodings_tokens_with_every_penalty(block_size):
+def test_server_path_gives_plain_decodings_tokens_with_every_penalty(block_size, chunk_requests, monkeypatch):
     """Seven requests with different parameters, joining at different steps, decoded through
     OutputCounts exactly as the worker drives it: each gets plain decoding's tokens (greedy,
-    float32), while several drafts are accepted per step."""
+    float32), while several drafts are accepted per step. The same a few requests at a time (a
+    big vocabulary's batch is penalized in parts)."""
+    if chunk_requests is not None:
+        monkeypatch.setattr(OutputCounts, "CHUNK_ENTRIES", chunk_requests * block_size * 64)
     target = TinyTarget(TinyTargetConfig(vocab_size=64, logit_scale=8.0), seed=0).eval()
     rng = random.Random(216)
     prompts = [[rng.randrange(60) for _ in range(rng.randrange(3, 10))] for _ in range(7)]
