@@ -778,25 +778,38 @@ def flashinfer_linear_verify(attn_backend) -> bool:
     return bool(getattr(dispatcher, "verify_kernel_is_flashinfer", False))
 
 
+# Verify rows drawn at once: each draw's float32 probabilities (and the torch path's sort) are
+# full-size copies, about 1 GB per copy for 64 requests x 16 positions of a 248,320-token vocabulary.
+SAMPLE_CHUNK_ENTRIES = 1 << 25
+
+
 def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int,
                         kernels: Optional[PlainDecodingKernels] = None) -> torch.Tensor:
     """One target sample per verify position, drawn as SGLang's sampler draws it for plain
     decoding: temperature, then top-k/top-p/min-p, and with a per-request seed
     (``--enable-deterministic-inference``) the same hash of (seed, position), so a seeded request
     gets plain decoding's very tokens. Unseeded, through plain decoding's ``kernels`` where it has
-    them (:func:`~sglang_dflash.sampling.plain_decoding_kernels`)."""
+    them (:func:`~sglang_dflash.sampling.plain_decoding_kernels`). A few thousand rows at a time
+    (:data:`SAMPLE_CHUNK_ENTRIES`): a seeded row's token depends on its own seed and position only."""
     expand = lambda t: t.view(-1).repeat_interleave(block_size)  # noqa: E731
-    probs = torch.softmax(logits.float() / expand(info.temperatures)[:, None], dim=-1)
-    seed = info.sampling_seed
-    seed = None if seed is None else expand(seed)
-    if not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling):
-        tokens = sampling_from_probs_torch(probs, sampling_seed=seed, positions=positions)
-    elif seed is None and kernels is not None:
-        tokens = kernels.sample(probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),
-                                info.need_min_p_sampling)
-    else:
-        tokens = top_k_top_p_min_p_sampling_from_probs_torch(
-            probs, expand(info.top_ks), expand(info.top_ps), expand(info.min_ps),
-            info.need_min_p_sampling, seed, positions,
-        )
-    return tokens.to(torch.int64)
+    temperatures = expand(info.temperatures)[:, None]
+    seed = None if info.sampling_seed is None else expand(info.sampling_seed)
+    filtered = info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling
+    if filtered:
+        top_ks, top_ps, min_ps = expand(info.top_ks), expand(info.top_ps), expand(info.min_ps)
+    rows, step = logits.shape[0], max(1, SAMPLE_CHUNK_ENTRIES // logits.shape[-1])
+    parts = []
+    for lo in range(0, rows, step):
+        part = slice(lo, lo + step)
+        probs = torch.softmax(logits[part].float() / temperatures[part], dim=-1)
+        part_seed = None if seed is None else seed[part]
+        if not filtered:
+            tokens = sampling_from_probs_torch(probs, sampling_seed=part_seed, positions=positions[part])
+        elif part_seed is None and kernels is not None:
+            tokens = kernels.sample(probs, top_ks[part], top_ps[part], min_ps[part], info.need_min_p_sampling)
+        else:
+            tokens = top_k_top_p_min_p_sampling_from_probs_torch(
+                probs, top_ks[part], top_ps[part], min_ps[part], info.need_min_p_sampling, part_seed, positions[part],
+            )
+        parts.append(tokens.to(torch.int64))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -219,7 +219,7 @@ def test_each_verify_position_samples_with_its_requests_seed_and_its_position(mo
     worker.sample_per_position(logits, info, positions, B)
     (kind, probs, seed, pos, *rest), = calls
     assert kind == ("top_k" if top_k else "simple")
-    assert seed.tolist() == [11] * B + [22] * B and pos is positions
+    assert seed.tolist() == [11] * B + [22] * B and torch.equal(pos, positions)
     temps = torch.tensor([0.5] * B + [2.0] * B)[:, None]
     torch.testing.assert_close(probs, torch.softmax(logits / temps, -1))
     if top_k:
@@ -261,6 +261,27 @@ def test_unseeded_verify_rows_sample_through_plain_decodings_kernels_and_seeded_
     assert ks.tolist() == [3] * B + [1] * B and torch.equal(ps, torch.tensor([0.9] * B + [1.0] * B))
     temps = torch.tensor([0.5] * B + [2.0] * B)[:, None]
     torch.testing.assert_close(probs, torch.softmax(logits / temps, -1))
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 8])
+def test_verify_rows_are_drawn_a_few_thousand_at_a_time_each_with_its_own_seed_and_position(monkeypatch, chunk_rows):
+    """A big vocabulary's verify block is drawn in parts, so its float32 probabilities never exist
+    whole; a seeded row's token depends on its own seed and position only, so the parts give the
+    whole block's tokens."""
+    import sglang_dflash.worker as worker
+
+    def seeded(probs, ks, ps, mps, need_min_p, seed, positions):  # a token from (row, seed, position)
+        return (probs.argmax(-1) + 7 * seed + 3 * positions) % probs.shape[-1]
+
+    monkeypatch.setattr(worker, "top_k_top_p_min_p_sampling_from_probs_torch", seeded)
+    bs, B, V = 2, 4, 5
+    info = SimpleNamespace(temperatures=torch.tensor([[0.5], [2.0]]), sampling_seed=torch.tensor([11, 22]),
+                           need_top_p_sampling=True, need_top_k_sampling=False, need_min_p_sampling=False,
+                           top_ks=torch.tensor([3, 1]), top_ps=torch.tensor([0.9, 1.0]), min_ps=torch.zeros(2))
+    logits, positions = torch.randn(bs * B, V), torch.tensor([40, 41, 42, 43, 7, 8, 9, 10])
+    whole = worker.sample_per_position(logits, info, positions, B)
+    monkeypatch.setattr(worker, "SAMPLE_CHUNK_ENTRIES", chunk_rows * V)
+    assert torch.equal(worker.sample_per_position(logits, info, positions, B), whole)
 
 
 def test_plain_decodings_min_p_kernels_run_in_its_order_and_other_backends_keep_the_torch_path():
