@@ -48,6 +48,7 @@ FAMILIES = {
 # Each change, and the first release that has it.
 CHANGES = {
     "stops_before_budget": "0.5.18",  # Req.update_finish_state checks stops first (our fix, upstream)
+    "verify_prepares_mamba_track": "0.5.18",  # DFlashVerifyInput.prepare_for_verify refreshes the track slots
     "logprobs_reach_worker": "0.5.18",  # validate_dflash_request passes return_logprob; compute_spec_logprobs
     "declared_resolution": "0.5.19",  # resolving_view/declare_resolution; worker reads get_spec()
     "nxt_kv_lens": "0.5.19",  # DFlashDraftInputV2.reserved_seq_lens_cpu -> nxt_kv_lens_cpu

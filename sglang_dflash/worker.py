@@ -624,8 +624,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             capture_hidden_mode=CaptureHiddenMode.FULL, **ragged,
         )
         batch.out_cache_loc = block.cache_loc.view(-1)
-        if self.hybrid:  # the track slots, as the scheduler holds them now (filter/merge drop them)
-            prepare_mamba_track_for_verify(batch)
+        if self.hybrid and not self.release.has("verify_prepares_mamba_track"):
+            prepare_mamba_track_for_verify(batch)  # the track slots as the scheduler holds them now (0.5.17)
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, self._target_worker)

@@ -60,6 +60,17 @@ def test_each_change_starts_at_its_release():
     assert compat.PLUGIN_DRAFT not in r23.builtin_only_drafts()
 
 
+def test_the_verify_refreshes_the_track_slots_itself_where_the_worker_leaves_it_to():
+    """The worker refreshes a hybrid batch's radix-checkpoint slots before the verify only where
+    SGLang's DFlashVerifyInput.prepare_for_verify does not (0.5.17); twice is a host loop over the
+    requests and a host-to-device copy more a step."""
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    release = compat.running()
+    refreshes = "prepare_mamba_track_for_verify(batch)" in inspect.getsource(DFlashVerifyInput.prepare_for_verify)
+    assert refreshes == release.has("verify_prepares_mamba_track"), release.version
+
+
 def test_the_installed_release_has_every_symbol_in_its_source():
     release = compat.running()
     assert release.supported, release.version
