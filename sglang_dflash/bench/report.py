@@ -33,20 +33,28 @@ def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "p
     return lines + [""]
 
 
+def waves_table(rows: list[dict], waves_of, cells_of, title: str, columns: list[str]) -> list[str]:
+    """A line per row with waves: its label, dataset, level and wave count, then ``cells_of(waves)``
+    under ``columns``; nothing where no row has waves."""
+    lines = []
+    for r in rows:
+        waves = waves_of(r)
+        if waves:
+            lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | "
+                         + " | ".join(cells_of(waves)) + " |")
+    if not lines:
+        return []
+    head = ["impl", "dataset", "conc", "waves", *columns]
+    return [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines, ""]
+
+
 def host_time_table(rows: list[dict]) -> list[str]:
     """Plugin servers' host time per decode step, medians over a level's waves: where a server whose
     steps take longer spends it (the worker call or the scheduler's gap, and the width policy's share)."""
-    lines = []
-    for r in rows:
-        waves = wave_host_per_step(r)
-        if waves:
-            lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | "
-                         + " | ".join(f"{statistics.median(w[k] for w in waves):.1f}" for k in ("call", "gap", "policy")) + " |")
-    if not lines:
-        return []
-    return ["## Host time per decode step (us): medians over waves", "",
-            "| impl | dataset | conc | waves | worker call | gap before it | width policy |", "|---|---|---|---|---|---|---|",
-            *lines, ""]
+    return waves_table(
+        rows, wave_host_per_step,
+        lambda waves: [f"{statistics.median(w[k] for w in waves):.1f}" for k in ("call", "gap", "policy")],
+        "## Host time per decode step (us): medians over waves", ["worker call", "gap before it", "width policy"])
 
 
 def time_by_mode_table(rows: list[dict]) -> list[str]:
@@ -54,48 +62,31 @@ def time_by_mode_table(rows: list[dict]) -> list[str]:
     a level's waves: the share of a wave in decode steps and in admissions (prefills, and the
     plugin's draft context), each in the worker call and in the gap before it, so step-cost
     arithmetic can be set against a level's measured throughput."""
-    lines = []
-    for r in rows:
-        waves = wave_time_by_mode(r)
-        if not waves:
-            continue
+    def cells(waves):
+        def median(mode, part):
+            return statistics.median(w.get(mode, {}).get(part, 0) for w in waves)
 
-        def share(mode, part):
-            return statistics.median(w.get(mode, {}).get(part, 0.0) for w in waves)
+        return [f"{median('decode', 'calls'):g}", f"{median('extend', 'calls'):g}",
+                *(f"{100 * median(m, p):.1f}%" for m in ("decode", "extend") for p in ("call", "gap"))]
 
-        cells = [f"{100 * share(m, p):.1f}%" for m in ("decode", "extend") for p in ("call", "gap")]
-        steps = statistics.median(w.get("decode", {}).get("calls", 0) for w in waves)
-        admissions = statistics.median(w.get("extend", {}).get("calls", 0) for w in waves)
-        lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | {steps:g} | {admissions:g} | "
-                     + " | ".join(cells) + " |")
-    if not lines:
-        return []
-    return ["## Scheduler time by mode: medians over waves", "",
-            "| impl | dataset | conc | waves | decode steps | admissions | decode call | decode gap | "
-            "admission call | admission gap |", "|---|---|---|---|---|---|---|---|---|---|", *lines, ""]
+    return waves_table(rows, wave_time_by_mode, cells, "## Scheduler time by mode: medians over waves",
+                       ["decode steps", "admissions", "decode call", "decode gap", "admission call", "admission gap"])
 
 
 def steps_by_what_came_before_table(rows: list[dict]) -> list[str]:
     """Decode steps right after an admission against those after another decode step, medians over
     a level's waves: where requests come and go, the first kind (which the width policy never
     times) can be most steps, and a different cost."""
-    lines = []
-    for r in rows:
-        waves = wave_steps_by_what_came_before(r)
-        if not waves:
-            continue
-
+    def cells(waves):
         def median(key, part):
             got = [w[key][part] for w in waves if key in w]
             return f"{statistics.median(got):g}" if got else "-"
 
-        lines.append(f"| {r['label']} | {r['dataset']} | {r['concurrency']} | {len(waves)} | "
-                     + " | ".join(median(k, p) for k in ("extend>decode", "decode>decode") for p in ("steps", "ms")) + " |")
-    if not lines:
-        return []
-    return ["## Decode steps after an admission and after a decode step: medians over waves", "",
-            "| impl | dataset | conc | waves | steps after an admission | ms each | steps after a decode step | "
-            "ms each |", "|---|---|---|---|---|---|---|---|", *lines, ""]
+        return [median(k, p) for k in ("extend>decode", "decode>decode") for p in ("steps", "ms")]
+
+    return waves_table(rows, wave_steps_by_what_came_before, cells,
+                       "## Decode steps after an admission and after a decode step: medians over waves",
+                       ["steps after an admission", "ms each", "steps after a decode step", "ms each"])
 
 
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
