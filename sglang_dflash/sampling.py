@@ -25,6 +25,18 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+# Logit entries a per-position pass (penalties, a sampled draw) works on at once. Each makes
+# full-size float32 temporaries (the repetition penalty's where about four): at 64 requests x 16
+# positions of a 248,320-token vocabulary that is about 1 GB a copy; this keeps a copy near 128 MB.
+CHUNK_ENTRIES = 1 << 25
+
+
+def row_chunks(rows: int, entries_per_row: int) -> list[slice]:
+    """``rows`` in slices of at most :data:`CHUNK_ENTRIES` entries (one row at least)."""
+    step = max(1, CHUNK_ENTRIES // entries_per_row)
+    return [slice(lo, lo + step) for lo in range(0, rows, step)]
+
+
 @dataclass
 class Penalties:
     """Per-request parameters of one batch, rows aligned with the batch."""
@@ -171,20 +183,14 @@ class OutputCounts:
             return None
         return self._to_device(torch.tensor(found, dtype=torch.int64))
 
-    # Logit entries penalize_block takes at once: its full-size temporaries (the repetition
-    # penalty's where) are about four copies of what it is given in float32, so 32 requests x 16
-    # positions of a 248,320-token vocabulary would take 8 GB more at once; this keeps them near 0.5 GB.
-    CHUNK_ENTRIES = 1 << 25
-
     def penalize(self, logits: torch.Tensor, candidates: torch.Tensor, rows: torch.Tensor) -> None:
-        """``logits [bs, B, V]`` in place, a few requests at a time (:data:`CHUNK_ENTRIES`)."""
+        """``logits [bs, B, V]`` in place, a few requests at a time (:func:`row_chunks`)."""
         bs, B, V = logits.shape
-        step = max(1, self.CHUNK_ENTRIES // (B * V))
-        for lo in range(0, bs, step):
-            part = rows[lo:lo + step]
-            p = Penalties(self.frequency[part], self.presence[part], self.repetition[part],
-                          self.min_new_tokens[part], self.stop_mask[part])
-            penalize_block(logits[lo:lo + step], candidates[lo:lo + step], self.counts[part], self.n_out[part], p)
+        for part in row_chunks(bs, B * V):
+            r = rows[part]
+            p = Penalties(self.frequency[r], self.presence[r], self.repetition[r], self.min_new_tokens[r],
+                          self.stop_mask[r])
+            penalize_block(logits[part], candidates[part], self.counts[r], self.n_out[r], p)
 
     def commit(self, rows: torch.Tensor, candidates: torch.Tensor, commit_len: torch.Tensor) -> None:
         """Add candidates 0..commit_len-1 (the old bonus and the accepted drafts) to the counts."""

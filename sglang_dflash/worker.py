@@ -78,7 +78,8 @@ from .fallback import make_fallback
 from .host_pauses import StepStalls, call_shape, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
-from .sampling import HalfVerifyLogits, OutputCounts, PlainDecodingKernels, argmax_only, plain_decoding_kernels
+from .sampling import (HalfVerifyLogits, OutputCounts, PlainDecodingKernels, argmax_only, plain_decoding_kernels,
+                       row_chunks)
 from .step_clock import StepClock
 
 logger = logging.getLogger("sglang_dflash")
@@ -778,11 +779,6 @@ def flashinfer_linear_verify(attn_backend) -> bool:
     return bool(getattr(dispatcher, "verify_kernel_is_flashinfer", False))
 
 
-# Verify rows drawn at once: each draw's float32 probabilities (and the torch path's sort) are
-# full-size copies, about 1 GB per copy for 64 requests x 16 positions of a 248,320-token vocabulary.
-SAMPLE_CHUNK_ENTRIES = 1 << 25
-
-
 def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, block_size: int,
                         kernels: Optional[PlainDecodingKernels] = None) -> torch.Tensor:
     """One target sample per verify position, drawn as SGLang's sampler draws it for plain
@@ -790,17 +786,15 @@ def sample_per_position(logits: torch.Tensor, info, positions: torch.Tensor, blo
     (``--enable-deterministic-inference``) the same hash of (seed, position), so a seeded request
     gets plain decoding's very tokens. Unseeded, through plain decoding's ``kernels`` where it has
     them (:func:`~sglang_dflash.sampling.plain_decoding_kernels`). A few thousand rows at a time
-    (:data:`SAMPLE_CHUNK_ENTRIES`): a seeded row's token depends on its own seed and position only."""
+    (:func:`~sglang_dflash.sampling.row_chunks`): a seeded row's token depends on its own seed and position only."""
     expand = lambda t: t.view(-1).repeat_interleave(block_size)  # noqa: E731
     temperatures = expand(info.temperatures)[:, None]
     seed = None if info.sampling_seed is None else expand(info.sampling_seed)
     filtered = info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling
     if filtered:
         top_ks, top_ps, min_ps = expand(info.top_ks), expand(info.top_ps), expand(info.min_ps)
-    rows, step = logits.shape[0], max(1, SAMPLE_CHUNK_ENTRIES // logits.shape[-1])
     parts = []
-    for lo in range(0, rows, step):
-        part = slice(lo, lo + step)
+    for part in row_chunks(*logits.shape):
         probs = torch.softmax(logits[part].float() / temperatures[part], dim=-1)
         part_seed = None if seed is None else seed[part]
         if not filtered:

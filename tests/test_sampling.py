@@ -12,6 +12,7 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 from sglang_dflash import compat
 from sglang_dflash.reference import RequestParams, TinyTarget, TinyTargetConfig, accept_block, target_generate
+from sglang_dflash import sampling
 from sglang_dflash.sampling import OutputCounts, Penalties, penalize_block
 from sglang_dflash.worker import DFlashWorker
 
@@ -174,7 +175,7 @@ def test_server_path_gives_plain_decodings_tokens_with_every_penalty(block_size,
     float32), while several drafts are accepted per step. The same a few requests at a time (a
     big vocabulary's batch is penalized in parts)."""
     if chunk_requests is not None:
-        monkeypatch.setattr(OutputCounts, "CHUNK_ENTRIES", chunk_requests * block_size * 64)
+        monkeypatch.setattr(sampling, "CHUNK_ENTRIES", chunk_requests * block_size * 64)
     target = TinyTarget(TinyTargetConfig(vocab_size=64, logit_scale=8.0), seed=0).eval()
     rng = random.Random(216)
     prompts = [[rng.randrange(60) for _ in range(rng.randrange(3, 10))] for _ in range(7)]

@@ -268,6 +268,7 @@ def test_verify_rows_are_drawn_a_few_thousand_at_a_time_each_with_its_own_seed_a
     """A big vocabulary's verify block is drawn in parts, so its float32 probabilities never exist
     whole; a seeded row's token depends on its own seed and position only, so the parts give the
     whole block's tokens."""
+    import sglang_dflash.sampling as sampling
     import sglang_dflash.worker as worker
 
     def seeded(probs, ks, ps, mps, need_min_p, seed, positions):  # a token from (row, seed, position)
@@ -280,7 +281,7 @@ def test_verify_rows_are_drawn_a_few_thousand_at_a_time_each_with_its_own_seed_a
                            top_ks=torch.tensor([3, 1]), top_ps=torch.tensor([0.9, 1.0]), min_ps=torch.zeros(2))
     logits, positions = torch.randn(bs * B, V), torch.tensor([40, 41, 42, 43, 7, 8, 9, 10])
     whole = worker.sample_per_position(logits, info, positions, B)
-    monkeypatch.setattr(worker, "SAMPLE_CHUNK_ENTRIES", chunk_rows * V)
+    monkeypatch.setattr(sampling, "CHUNK_ENTRIES", chunk_rows * V)
     assert torch.equal(worker.sample_per_position(logits, info, positions, B), whole)
 
 
