@@ -4,9 +4,9 @@
 
 Each DIR holds ``reliability-<release>-{odd,openai,load}.json`` of one GPU run; later DIRs add to
 earlier ones. Prints, per release: ``odd`` {case: {ar, builtin, plugin}} (served, refused, crashed
-or error), ``load`` {pair: {seconds, requests, aborts, errors, kv_idle, state_idle, gpu_mem_mb,
-host_rss_mb, cancelled_share, late_growth_mb}}, ``empty_prompt_cause`` (what plain decoding died of) and ``openai_client`` {case:
-same or differs}, with the files each came from under ``evidence``.
+or error) for the cases the servers met differently, ``odd_alike`` {outcome: cases} counting the others, ``load`` {pair: {seconds, requests, aborts, errors, kv_idle, state_idle, gpu_mem_mb,
+host_rss_mb, cancelled_share, late_growth_mb}}, ``empty_prompt_cause`` (what plain decoding died of) and ``openai_client`` {verdict: count}
+with the cases not ``same`` under ``not_same``, with the files each came from under ``evidence``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 
 from sglang_dflash.bench.openai_client import verdicts
 from sglang_dflash.bench.stress import late_growth
@@ -84,10 +85,29 @@ def summarize(dirs: list[str], root: str = ".") -> dict:
             else:
                 rel.setdefault("load", {}).update(load_table(report))
             rel["evidence"].append(os.path.relpath(path, root))
-    for rel in summary.values():  # the servers in one order, whichever call measured them first
-        if "odd" in rel:
-            rel["odd"] = {case: dict(sorted(by_impl.items())) for case, by_impl in rel["odd"].items()}
+    for rel in summary.values():
+        compact(rel)
     return summary
+
+
+def compact(rel: dict) -> None:
+    """The cases every server met alike as counts, the rest by name: the per-case tables stay in
+    the evidence files, and the summary stays short (tests/test_docs.py caps it)."""
+    if "odd" in rel:
+        alike: dict = {}
+        differ = {}
+        for case, by_impl in rel["odd"].items():
+            outcomes = set(by_impl.values())
+            if len(outcomes) == 1:
+                outcome = outcomes.pop()
+                alike[outcome] = alike.get(outcome, 0) + 1
+            else:  # the servers in one order, whichever call measured them first
+                differ[case] = dict(sorted(by_impl.items()))
+        rel["odd"], rel["odd_alike"] = differ, dict(sorted(alike.items()))
+    if "openai_client" in rel:
+        by_case = rel["openai_client"]
+        differs = sorted(case for case, verdict in by_case.items() if verdict != "same")
+        rel["openai_client"] = {**dict(sorted(Counter(by_case.values()).items())), **({"not_same": differs} if differs else {})}
 
 
 def main(argv=None) -> int:
