@@ -25,4 +25,5 @@ cd "$(dirname "$0")/.."
 source lab/gpu_setup.sh "${SGLANG_VERSION:-0.5.17}" || exit 0
 export DFLASH_TINY_DIR=${DFLASH_TINY_DIR:-/tmp/dflash-tiny} DFLASH_GPU_RESULTS=${OUT:-$PWD/gpu-results}
 [ -f "$DFLASH_TINY_DIR/draft/model.safetensors" ] || python3 scripts/make_tiny_pair.py "$DFLASH_TINY_DIR" > /dev/null 2>&1
-python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${1:+-k "$1"} 2>&1 | grep -vE "it/s\]|s/it\]" | tee "$DFLASH_GPU_RESULTS/${DFLASH_PYTEST_LOG:-pytest.log}"
+# --line-buffered: a call's timeout that ends the run still leaves what pytest printed in the log.
+python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider ${1:+-k "$1"} 2>&1 | grep --line-buffered -vE "it/s\]|s/it\]" | tee "$DFLASH_GPU_RESULTS/${DFLASH_PYTEST_LOG:-pytest.log}"
