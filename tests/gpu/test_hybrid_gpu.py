@@ -108,6 +108,10 @@ def against_ar():
     for name in SELECTED:
         with Server(spec(name), log_path=os.path.join(RESULTS, f"server-hybrid-{name}.log"), timeout_s=600) as s:
             runs[name] = serve(name, s)
+        # What the run showed before plain decoding's server starts: a call cut short keeps it.
+        save(evidence_name(name, "served"), {"run": name, "target_arch": ARCH, **{
+            k: runs[name][k] for k in ("accept_length", "loads_after", "state_pool_after", "widths_used", "draft_kv")},
+            "prompts": {k: len(runs[name][k]) for k in ("greedy", "follow_ups", "long")}})
     with Server(spec("ar"), log_path=os.path.join(RESULTS, "server-hybrid-ar.log"), timeout_s=600) as ar:
         ar_out = serve("ar", ar)
         ar_checkpointed = sum(c > n for c, n in zip(ar_out["follow_up_cached"], ar_out["follow_up_prompt_lens"]))
@@ -133,8 +137,12 @@ def against_ar():
                 "state_pool_after": out["state_pool_after"], "widths_used": out["widths_used"],
                 "draft_kv": out["draft_kv"],
             }
-            save(f"hybrid_{name}.json" if ARCH == "qwen3_5" else f"hybrid_{ARCH}_{name}.json", reports[name])
+            save(evidence_name(name), reports[name])
     return reports
+
+
+def evidence_name(name, part=""):
+    return f"hybrid_{'' if ARCH == 'qwen3_5' else ARCH + '_'}{name}{'_' + part if part else ''}.json"
 
 
 def report(name):
