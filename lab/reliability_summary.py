@@ -4,9 +4,11 @@
 
 Each DIR holds ``reliability-<release>-{odd,openai,load}.json`` of one GPU run; later DIRs add to
 earlier ones. Prints, per release: ``odd`` {case: {ar, builtin, plugin}} (served, refused, crashed
-or error) for the cases the servers met differently, ``odd_alike`` {outcome: cases} counting the others, ``load`` {pair: {seconds, requests, aborts, errors, kv_idle, state_idle, gpu_mem_mb,
-host_rss_mb, cancelled_share, late_growth_mb}}, ``empty_prompt_cause`` (what plain decoding died of) and ``openai_client`` {verdict: count}
-with the cases not ``same`` under ``not_same``, with the files each came from under ``evidence``.
+or error) for the cases the servers met differently, ``odd_alike`` {outcome: cases} counting the
+others, ``load`` {pair: {seconds, requests, aborts, errors, kv_idle, state_idle, gpu_mem_mb,
+host_rss_mb, cancelled_share, late_growth_mb}}, ``empty_prompt_cause`` (what plain decoding died of)
+and ``openai_client`` {verdict: count} with the cases not ``same`` under ``not_same``, with the
+files each came from under ``evidence``.
 """
 
 from __future__ import annotations
@@ -94,16 +96,11 @@ def compact(rel: dict) -> None:
     """The cases every server met alike as counts, the rest by name: the per-case tables stay in
     the evidence files, and the summary stays short (tests/test_docs.py caps it)."""
     if "odd" in rel:
-        alike: dict = {}
-        differ = {}
-        for case, by_impl in rel["odd"].items():
-            outcomes = set(by_impl.values())
-            if len(outcomes) == 1:
-                outcome = outcomes.pop()
-                alike[outcome] = alike.get(outcome, 0) + 1
-            else:  # the servers in one order, whichever call measured them first
-                differ[case] = dict(sorted(by_impl.items()))
-        rel["odd"], rel["odd_alike"] = differ, dict(sorted(alike.items()))
+        alike = {case: set(by_impl.values()) for case, by_impl in rel["odd"].items()}
+        alike = {case: outcomes.pop() for case, outcomes in alike.items() if len(outcomes) == 1}
+        # the servers in one order, whichever call measured them first
+        rel["odd"] = {case: dict(sorted(by_impl.items())) for case, by_impl in rel["odd"].items() if case not in alike}
+        rel["odd_alike"] = dict(sorted(Counter(alike.values()).items()))
     if "openai_client" in rel:
         by_case = rel["openai_client"]
         differs = sorted(case for case, verdict in by_case.items() if verdict != "same")

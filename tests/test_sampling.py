@@ -10,9 +10,8 @@ from sglang.srt.sampling import penaltylib
 from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
-from sglang_dflash import compat
+from sglang_dflash import compat, sampling
 from sglang_dflash.reference import RequestParams, TinyTarget, TinyTargetConfig, accept_block, target_generate
-from sglang_dflash import sampling
 from sglang_dflash.sampling import OutputCounts, Penalties, penalize_block
 from sglang_dflash.worker import DFlashWorker
 

@@ -109,9 +109,8 @@ def against_ar():
         with Server(spec(name), log_path=os.path.join(RESULTS, f"server-hybrid-{name}.log"), timeout_s=600) as s:
             runs[name] = serve(name, s)
         # What the run showed before plain decoding's server starts: a call cut short keeps it.
-        save(evidence_name(name, "served"), {"run": name, "target_arch": ARCH, **{
-            k: runs[name][k] for k in ("accept_length", "loads_after", "state_pool_after", "widths_used", "draft_kv")},
-            "prompts": {k: len(runs[name][k]) for k in ("greedy", "follow_ups", "long")}})
+        save(evidence_name(name, "served"), {"run": name, "target_arch": ARCH, **served_figures(runs[name]),
+                                             "prompts": {k: len(runs[name][k]) for k in ("greedy", "follow_ups", "long")}})
     with Server(spec("ar"), log_path=os.path.join(RESULTS, "server-hybrid-ar.log"), timeout_s=600) as ar:
         ar_out = serve("ar", ar)
         ar_checkpointed = sum(c > n for c, n in zip(ar_out["follow_up_cached"], ar_out["follow_up_prompt_lens"]))
@@ -132,17 +131,21 @@ def against_ar():
                 "prompts": {k: len(out[k]) for k in rows}, "long_prompt_tokens": list(LONG_PROMPTS),
                 "draft_window": WINDOW if name in ("plugin_window", "plugin_ring") else None, "mamba_track_interval": INTERVAL,
                 "follow_ups_served_from_decode_checkpoints": checkpointed, "ar_follow_ups_from_checkpoints": ar_checkpointed,
-                "follow_up_cached_tokens": out["follow_up_cached"], "accept_length": out["accept_length"],
-                "loads_after": out["loads_after"], "ar_loads_after": ar_out["loads_after"],
-                "state_pool_after": out["state_pool_after"], "widths_used": out["widths_used"],
-                "draft_kv": out["draft_kv"],
+                "follow_up_cached_tokens": out["follow_up_cached"], "ar_loads_after": ar_out["loads_after"],
+                **served_figures(out),
             }
             save(evidence_name(name), reports[name])
     return reports
 
 
+def served_figures(out):
+    """What a run's server reported of itself after the workloads."""
+    return {k: out[k] for k in ("accept_length", "loads_after", "state_pool_after", "widths_used", "draft_kv")}
+
+
 def evidence_name(name, part=""):
-    return f"hybrid_{'' if ARCH == 'qwen3_5' else ARCH + '_'}{name}{'_' + part if part else ''}.json"
+    arch = "" if ARCH == "qwen3_5" else f"{ARCH}_"
+    return f"hybrid_{arch}{name}{'_' + part if part else ''}.json"
 
 
 def report(name):
