@@ -13,6 +13,13 @@ all get exercised while the output stays the target's own. ``random`` is an untr
 ``--target-arch qwen3_5`` writes a hybrid target instead: Qwen3.5 (``Qwen3_5ForConditionalGeneration``,
 a one-block vision tower, and a processor), whose layers are three gated-delta-net (linear
 attention) layers to one full-attention layer; ``qwen3_next`` writes the Qwen3-Next MoE hybrid.
+
+Random top-2 routing is chaotic in bf16: a rounding step flips a token's second expert, and the
+recurrent state carries the change on (fp32 against bf16, the plain Qwen3-Next target's top-2 margins
+moved by up to 68 nats). ``--expert-spread`` makes the experts one shared expert plus that fraction of
+their own random deviation, so a flip moves little while routing stays top-2 of 4; ``--magnet-bias``
+adds a constant to the magnet coordinate of every token embedding, so answers are mostly magnet runs
+with margins the bf16 rule can decide.
 """
 
 from __future__ import annotations
@@ -80,6 +87,20 @@ def hybrid_target(arch, vocab, eos_id, H, layers):
     return model, cfg.text_config, model.model.language_model.norm
 
 
+def pull_experts_together(target_dir, spread):
+    """Rewrite the saved experts as expert 0 plus ``spread`` of their own deviation from it."""
+    from safetensors.torch import load_file
+
+    for path in glob.glob(os.path.join(target_dir, "*.safetensors")):
+        state = load_file(path)
+        for name in state:
+            head, sep, tail = name.partition(".mlp.experts.")
+            if sep and not tail.startswith("0."):
+                base = state[f"{head}.mlp.experts.0.{tail.split('.', 1)[1]}"]
+                state[name] = base + spread * (state[name] - base)
+        save_file(state, path, metadata={"format": "pt"})
+
+
 def save_hybrid_extras(target_dir, arch, tok, cfg_path):
     """Qwen3.5's vision token ids point into this vocabulary; SGLang loads its processor too."""
     if arch != "qwen3_5":
@@ -113,7 +134,13 @@ def main():
                     help="qwen3: dense; qwen3_5, qwen3_next: hybrid (gated delta net) targets")
     ap.add_argument("--draft-sliding-window", type=int, default=0,
                     help="make the first draft layer a sliding_attention layer with this window (0: all full)")
+    ap.add_argument("--expert-spread", type=float, default=1.0,
+                    help="qwen3_next: each expert is expert 0 plus this fraction of its own deviation (1: independent)")
+    ap.add_argument("--magnet-bias", type=float, default=0.0,
+                    help="added to the magnet coordinate of every token embedding (0: none)")
     args = ap.parse_args()
+    if not 0 <= args.expert_spread <= 1:
+        ap.error("--expert-spread must lie in [0, 1]")
     if args.block_size < 2 or args.layers < 4 or args.draft_layers < 1 or args.hidden < 2:
         ap.error("--block-size >= 2, --layers >= 4, --draft-layers >= 1 and --hidden >= 2 are required")
     smallest_vocab = 256 + len(SPECIALS + VISION_SPECIALS)  # the byte alphabet and the special tokens
@@ -150,7 +177,11 @@ def main():
             final_norm.weight[j] = args.magnet * 8 - norm_offset
             target.lm_head.weight[:, j] = 0
             target.lm_head.weight[0, j] = args.logit_scale
+        if args.magnet_bias:
+            target.get_input_embeddings().weight[:, H - 1] += args.magnet_bias
     target.save_pretrained(target_dir, safe_serialization=True)
+    if args.expert_spread < 1:
+        pull_experts_together(target_dir, args.expert_spread)
     save_hybrid_extras(target_dir, args.target_arch, tok, os.path.join(target_dir, "config.json"))
 
     taps = sorted({1, args.layers // 2 - 1, args.layers // 2 + 1, args.layers - 2})

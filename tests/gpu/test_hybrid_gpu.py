@@ -47,12 +47,14 @@ ARCH = os.environ.get("DFLASH_HYBRID_ARCH", "qwen3_5")  # make_tiny_pair.py --ta
 
 @lru_cache(maxsize=None)
 def hybrid_pair():
-    out = os.environ.get("DFLASH_HYBRID_DIR") or ("/tmp/dflash-hybrid-m15" if ARCH == "qwen3_5" else f"/tmp/dflash-{ARCH}-m15")
+    out = os.environ.get("DFLASH_HYBRID_DIR") or ("/tmp/dflash-hybrid-m15" if ARCH == "qwen3_5" else f"/tmp/dflash-{ARCH}-m15-b25-s05")
     if not os.path.exists(os.path.join(out, "draft", "model.safetensors")):
         # A weaker magnet than the Qwen3 pair's. The recurrent target still locks onto it once
         # emitted (answers are mostly magnet runs); flatter targets leave the bf16 rule undecided.
+        # Qwen3-Next's top-2 routing needs close experts and a magnet bias for that (make_tiny_pair.py).
+        moe = ["--magnet-bias", "0.25", "--expert-spread", "0.05"] if ARCH == "qwen3_next" else []
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_pair.py"), out, "--magnet", "1.5",
-                        "--target-arch", ARCH, "--draft-sliding-window", "256"], check=True)
+                        "--target-arch", ARCH, "--draft-sliding-window", "256", *moe], check=True)
     return os.path.join(out, "target"), os.path.join(out, "draft")
 
 
