@@ -313,3 +313,27 @@ def test_the_long_context_run_gives_every_server_the_window_and_only_the_ring_it
         assert spec.env().get("SGLANG_DFLASH_IMPL") == ("builtin" if name == "builtin" else "plugin")
     batch = lc.prompts(4, 100, 248320, seed=1)
     assert len({tuple(p) for p in batch}) == 4 and all(len(p) == 100 for p in batch)
+
+
+def test_the_tiny_moe_target_keeps_expert_zero_and_pulls_the_others_toward_it(tmp_path):
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("make_tiny_pair", os.path.join(ROOT, "scripts", "make_tiny_pair.py"))
+    make_tiny_pair = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_pair)
+    g = torch.Generator().manual_seed(0)
+    state = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.randn(4, 4, generator=g) for e in range(3)}
+    state["model.layers.0.mlp.shared_expert.down_proj.weight"] = torch.randn(4, 4, generator=g)
+    save_file(state, tmp_path / "model.safetensors")
+    make_tiny_pair.pull_experts_together(str(tmp_path), 0.1)
+    after = load_file(tmp_path / "model.safetensors")
+    base = state["model.layers.0.mlp.experts.0.down_proj.weight"]
+    torch.testing.assert_close(after["model.layers.0.mlp.experts.0.down_proj.weight"], base)
+    torch.testing.assert_close(after["model.layers.0.mlp.shared_expert.down_proj.weight"],
+                               state["model.layers.0.mlp.shared_expert.down_proj.weight"])
+    for e in (1, 2):
+        own = state[f"model.layers.0.mlp.experts.{e}.down_proj.weight"]
+        torch.testing.assert_close(after[f"model.layers.0.mlp.experts.{e}.down_proj.weight"], base + 0.1 * (own - base))
