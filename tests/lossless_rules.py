@@ -20,6 +20,16 @@ def gap_to_best(top_logprobs, token):
     return math.inf
 
 
+def with_token_entry(top_logprobs, token_logprobs, token):
+    """``top_logprobs`` with ``token``'s own entry (from ``output_token_ids_logprobs``) after them
+    when it is not among them: on a flat position the speculative token may sit below the top few
+    and still within the near-tie bound."""
+    top = [tuple(t[:2]) for t in top_logprobs]
+    if token not in (t[1] for t in top):
+        top += [tuple(t[:2]) for t in token_logprobs if t[1] == token]
+    return top
+
+
 def is_near_tie(top_logprobs, token, near_tie):
     return gap_to_best(top_logprobs, token) <= near_tie
 

@@ -1,6 +1,6 @@
 import math
 
-from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie
+from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie, with_token_entry
 
 TOP = [(-0.50, 40, "4"), (-0.50, 36, "0"), (-0.50, 34, "2"), (-1.75, 9, "x")]
 
@@ -12,6 +12,13 @@ def test_a_third_token_tied_with_the_best_is_a_near_tie():
 def test_a_clear_loser_or_an_unlisted_token_is_not_excused():
     assert gap_to_best(TOP, 9) == 1.25 and not is_near_tie(TOP, 9, 0.5)
     assert gap_to_best(TOP, 7) == math.inf and not is_near_tie(TOP, 7, 100.0)
+
+
+def test_a_token_below_the_listed_few_is_measured_from_its_own_log_prob():
+    top = with_token_entry(TOP, [(-3.0, 7, "z")], 7)
+    assert top[:4] == [t[:2] for t in TOP] and gap_to_best(top, 7) == 2.5
+    assert is_near_tie(top, 7, 2.5) and not is_near_tie(top, 7, 2.0)
+    assert with_token_entry(TOP, [(-0.5, 34, "2")], 34) == [t[:2] for t in TOP]  # listed once
 
 
 def test_chat_prompts_are_templated_ids_in_a_seeded_order():

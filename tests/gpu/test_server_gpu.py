@@ -20,7 +20,7 @@ import torch
 
 from sglang_dflash.bench.client import kv_loads, post_json, run_requests, server_info
 from sglang_dflash.bench.server import Server, ServerSpec, prefill_graph_flags
-from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie
+from lossless_rules import chat_prompt_ids, gap_to_best, is_near_tie, with_token_entry
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -148,14 +148,18 @@ def collect(impl, dtype, block=16, extra=()):
     return out
 
 
-def probe_margin(url, input_ids, prefix, k=2):
+def probe_margin(url, input_ids, prefix, k=2, token=None):
     """Top-2 log-prob margin of the next token after ``input_ids + prefix`` (AR server, prefill path),
-    and the top-``k`` entries there."""
-    probe = post_json(url + "/generate", {
-        "input_ids": list(input_ids) + list(prefix), "return_logprob": True, "top_logprobs_num": k,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-    top = probe["meta_info"]["output_top_logprobs"][0]
-    return top[0][0] - top[1][0], [list(t[:2]) for t in top]
+    and the top-``k`` entries there; ``token``'s own entry follows them when it is not among them,
+    so a flat position's gap to it is measured, not taken as infinite."""
+    req = {"input_ids": list(input_ids) + list(prefix), "return_logprob": True, "top_logprobs_num": k,
+           "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    if token is not None:
+        req["token_ids_logprob"] = [token]
+    meta = post_json(url + "/generate", req)["meta_info"]
+    asked = meta["output_token_ids_logprobs"][0] if token is not None else []
+    top = [list(t) for t in with_token_entry(meta["output_top_logprobs"][0], asked, token)]
+    return top[0][0] - top[1][0], top
 
 
 def kernel_noise(url, vocab, n_prompts=16, every=8):
@@ -191,7 +195,7 @@ def divergence(url, req, spec, ar, near_tie):
         return None
     row = {"position": d, "ar": ar[d:d + 1], "spec": spec[d:d + 1]}
     if d < min(len(spec), len(ar)):
-        row["margin_nats"], row["top"] = probe_margin(url, req["input_ids"], ar[:d], k=5)
+        row["margin_nats"], row["top"] = probe_margin(url, req["input_ids"], ar[:d], k=5, token=spec[d])
         # excused when AR could have chosen the speculative token: a 3-way bf16 tie counts
         row["spec_gap_nats"] = gap_to_best(row["top"], spec[d])
         row["near_tie"] = is_near_tie(row["top"], spec[d], near_tie)
