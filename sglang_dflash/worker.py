@@ -218,14 +218,11 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         """A gated-delta-net verify of w < B tokens writes its per-token states into the B-sized
         scratch with the buffer's own pitch, and the commit copies step ``commit_len - 1 < w``
         (docs/design/hybrid-adaptive-width.md). Other recurrent layers commit another way, and
-        SGLang's decode ring folds the state lazily. Until switching widths has been measured
-        lossless on a hybrid, the widths must be named to run there."""
+        SGLang's decode ring folds the state lazily."""
         if not self.hybrid_gdn:
             return "on hybrid targets only with gated-delta-net layers (Qwen3.5, Qwen3.6, Qwen3-Next)"
         if getattr(self.release.resolving(server_args), "enable_linear_replayssm", False):
             return "not with --enable-linear-replayssm (its decode ring folds the recurrent state lazily)"
-        if widths_by_default():
-            return f"on hybrid targets only where {WIDTHS_ENV} names the widths, until switching is measured lossless there"
         return None
 
     def _fix_the_block(self, why: str) -> None:

@@ -38,7 +38,7 @@ RUNS = {"plugin": ("plugin", (), {}),
         "plugin_window": ("plugin", ("--speculative-draft-window-size", str(WINDOW)), {}),
         # draft K/V in a ring of WINDOW + B slots a request (follow-ups start cold at their hit)
         "plugin_ring": ("plugin", ("--speculative-draft-window-size", str(WINDOW)), {"SGLANG_DFLASH_DRAFT_RING": "1"}),
-        # every width in turn (widths named: on hybrids the default keeps the block until this passes)
+        # every width in turn, so each commits the recurrent state at every accepted length
         "plugin_switching": ("plugin", (), {"SGLANG_DFLASH_WIDTHS": "16,8,4,2,1", "SGLANG_DFLASH_WIDTH_POLICY": "cycle"}),
         "builtin": ("builtin", (), {})}
 SELECTED = os.environ.get("DFLASH_HYBRID_RUNS", "plugin,plugin_window").split(",")
