@@ -158,7 +158,7 @@ def probe_margin(url, input_ids, prefix, k=2, token=None):
         req["token_ids_logprob"] = [token]
     meta = post_json(url + "/generate", req)["meta_info"]
     asked = meta["output_token_ids_logprobs"][0] if token is not None else []
-    top = [list(t) for t in with_token_entry(meta["output_top_logprobs"][0], asked, token)]
+    top = with_token_entry(meta["output_top_logprobs"][0], asked, token)
     return top[0][0] - top[1][0], top
 
 
