@@ -396,3 +396,34 @@ def test_the_rig_options_name_a_hybrid_shape_its_weights_and_block(tmp_path, mon
                             "--rig-layout", "text"])
     assert sweep.server_env(moe) == {"SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"} and moe.rig_layout == "text"
     assert sweep.server_env(sweep.parse_args(["--impls", "ar", "--model-path", "m"])) == {}
+
+
+@pytest.mark.parametrize("shape", sorted(rig.HYBRID_SHAPES))
+def test_a_hybrid_request_holds_the_recurrent_state_sglang_counts(shape, monkeypatch):
+    qwen3_next = pytest.importorskip("sglang.srt.configs.qwen3_next")
+    qwen3_5 = pytest.importorskip("sglang.srt.configs.qwen3_5")
+    s = rig.HYBRID_SHAPES[shape]
+    if hasattr(qwen3_next, "linear_attn_tp_size"):  # read from the server's parallel state since 0.5.2x
+        monkeypatch.setattr(qwen3_next, "linear_attn_tp_size", lambda: 1)
+    config = (qwen3_5.Qwen3_5MoeTextConfig if s.moe else qwen3_5.Qwen3_5TextConfig)(**rig_hybrid.text_config(s))
+    assert config.mamba2_cache_params.mamba_cache_per_req == rig_hybrid.state_bytes_per_request(s)
+
+
+def test_a_hybrid_rig_sizes_each_servers_state_pool_for_the_top_level(monkeypatch):
+    monkeypatch.setattr(sweep, "installed_sglang", lambda: "0.5.23")
+    args = sweep.parse_args(["--impls", "ar,plugin", "--rig", "zero", "--rig-shape", "qwen3.5-4b",
+                             "--concurrencies", "1,8,32"])
+    per_request = 51_511_296  # SGLang's mamba_cache_per_req at this shape (the test above)
+    plain_flags, plain = sweep.hybrid_state(args, "ar", None)
+    assert plain_flags == ["--max-running-requests", "32", "--max-mamba-cache-size", "160"]
+    assert plain == 161 * per_request
+    flags, spec = sweep.hybrid_state(args, "plugin", None)  # the draft's block, 16
+    assert flags == plain_flags and spec == plain + 33 * 16 * per_request
+    assert sweep.hybrid_state(args, "builtin", 8)[1] == plain + 33 * 8 * per_request
+    capped = sweep.parse_args(["--impls", "ar", "--rig", "zero", "--rig-shape", "qwen3.5-4b",
+                               "--server-args", "--max-running-requests 64", "--concurrencies", "1,8"])
+    assert sweep.hybrid_state(capped, "ar", None) == (["--max-mamba-cache-size", "320"], 321 * per_request)
+    dense = sweep.parse_args(["--impls", "ar", "--rig", "zero", "--concurrencies", "1,8"])
+    assert sweep.hybrid_state(dense, "ar", None) == ([], 0)
+    spec = ServerSpec("plugin", "t", "d", None, state_bytes=spec)
+    assert sweep.server_bytes(spec, 2.0) == sweep.weights_bytes(spec) + (2 << 30) + spec.state_bytes

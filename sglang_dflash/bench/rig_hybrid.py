@@ -352,6 +352,39 @@ def server_env(shape: str, weights: Optional[str]) -> dict:
     return {ROUTING_ENV: "1"} if s is not None and s.moe and weights == "zero" else {}
 
 
+# Recurrent-state slots SGLang 0.5.23 keeps a running request under ``--mamba-radix-cache-strategy
+# extra_buffer`` with the overlap scheduler (``_calculate_mamba_ratio`` in kv_cache_configurator.py).
+STATE_SLOTS_PER_REQUEST = 5
+
+
+def state_bytes_per_request(s: HybridShape) -> int:
+    """One request's recurrent state in SGLang's ``MambaPool``: each linear layer's convolution
+    window (bf16) and SSM state (float32, the checkpoints' ``mamba_ssm_dtype``)."""
+    linear = s.layer_types.count(LINEAR)
+    conv = (2 * s.linear_key_heads * s.linear_key_dim + s.linear_value_heads * s.linear_value_dim) * (s.conv_kernel - 1) * 2
+    ssm = s.linear_value_heads * s.linear_value_dim * s.linear_key_dim * 4
+    return linear * (conv + ssm)
+
+
+def state_pool(shape: str, running: int, block_size: Optional[int] = None) -> tuple[list[str], int]:
+    """Flags that size a rig server's recurrent-state pool for ``running`` requests, and the bytes
+    SGLang then takes for it inside ``--mem-fraction-static``: the slots, and on a speculative
+    server (``block_size``) a snapshot per draft token for each request's verify.
+
+    Left to itself SGLang gives the state 0.9/1.9 of what the fraction leaves after the weights and
+    splits that between slots and snapshots: at the Qwen3.5-4B shape a state is 49 MiB and a block-16
+    verify's snapshots 786 MiB a request, so a 4 GiB pool ran one DFLASH request at a time."""
+    s = SHAPES.get(shape)
+    if s is None:
+        return [], 0
+    per_request = state_bytes_per_request(s)
+    slots = STATE_SLOTS_PER_REQUEST * running
+    total = (slots + 1) * per_request  # SGLang adds a padding slot
+    if block_size:
+        total += (running + 1) * block_size * per_request
+    return ["--max-running-requests", str(running), "--max-mamba-cache-size", str(slots)], total
+
+
 def fp8_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
     """Weight bytes under ``--quantization fp8`` (an estimate): projections and experts at one
     byte, the embedding, lm_head, routers, convolutions and norms as they are."""

@@ -134,6 +134,7 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict = field(default_factory=dict)
     cpus: Optional[tuple[int, ...]] = None  # CPU affinity of the server and all its processes
+    state_bytes: int = 0  # what SGLang takes inside the static fraction besides weights and KV (a hybrid's recurrent state)
 
     def command(self, port: int) -> list[str]:
         if not is_implementation(self.impl):

@@ -223,6 +223,22 @@ def server_env(args) -> dict:
     return rig.server_env(args.rig, args.rig_shape) if getattr(args, "rig", None) else {}
 
 
+def hybrid_state(args, impl: str, block_size: Optional[int]) -> tuple[list[str], int]:
+    """On a hybrid rig, the flags that size each server's recurrent-state pool for the sweep's top
+    level (or its ``--max-running-requests``), and the bytes that pool takes
+    (:func:`rig_hybrid.state_pool`); nothing where the server args size it already."""
+    if not getattr(args, "rig", None) or args.rig_shape not in rig.HYBRID_SHAPES:
+        return [], 0
+    flags = server_flags(args)
+    if "--max-mamba-cache-size" in flags:
+        return [], 0
+    capped = "--max-running-requests" in flags
+    running = int(flags[flags.index("--max-running-requests") + 1]) if capped else max(args.concurrencies)
+    block = (block_size or args.block_sizes[0] or 16) if impl in DFLASH_IMPLS else None
+    state_flags, state = rig.rig_hybrid.state_pool(args.rig_shape, running, block)
+    return (state_flags[2:] if capped else state_flags), state
+
+
 # ---------------------------------------------------------------------------------------------
 # Sweep
 
@@ -498,8 +514,10 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
     for name in args.impls:
         impl, size = split_block_size(name)
         sizes = [size] if size else args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
-        specs += [ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args), server_env(args))
-                  for b in sizes]
+        for b in sizes:
+            state_flags, state = hybrid_state(args, impl, b)
+            specs.append(ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args) + state_flags,
+                                    server_env(args), state_bytes=state))
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
     busy = None if args.skip_launch else busy_gpu_warning(gpu_processes())
@@ -593,7 +611,7 @@ def weights_bytes(spec: ServerSpec) -> int:
 
 
 def server_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
-    return weights_bytes(spec) + int(kv_cache_gb * (1 << 30))
+    return weights_bytes(spec) + int(kv_cache_gb * (1 << 30)) + spec.state_bytes
 
 
 def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float, neighbours_bytes: int = 0) -> ServerSpec:
@@ -605,10 +623,11 @@ def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float, neighbours_bytes:
     weights = weights_bytes(spec)
     if not free or not weights:
         return spec
-    fraction = memory_fraction(weights + neighbours_bytes, free, int(kv_cache_gb * (1 << 30)))
+    fraction = memory_fraction(weights + neighbours_bytes, free, int(kv_cache_gb * (1 << 30)) + spec.state_bytes)
     beside = f", {neighbours_bytes / 1e9:.1f} GB for neighbours loading alongside" if neighbours_bytes else ""
+    state = f", {spec.state_bytes / (1 << 30):.1f} GiB of recurrent state" if spec.state_bytes else ""
     print(f"[{spec.label}] --mem-fraction-static {fraction} ({weights / 1e9:.1f} GB of weights, "
-          f"{kv_cache_gb:g} GiB of KV{beside}, {free / 1e9:.1f} GB free)", flush=True)
+          f"{kv_cache_gb:g} GiB of KV{state}{beside}, {free / 1e9:.1f} GB free)", flush=True)
     return replace(spec, extra_args=[*spec.extra_args, "--mem-fraction-static", str(fraction)])
 
 
