@@ -922,6 +922,12 @@ def test_a_time_budget_does_not_start_a_server_it_could_not_measure(tmp_path, ch
     now[0] = 345
     assert "30 s of the 540 s time budget would be left" in budget.refuse_start("builtin")
     assert budget.outcome["servers_not_started"] == ["builtin"]
+    for measure, refused in ((25, False), (35, True)):  # --measure-seconds: a rig's waves take seconds
+        clock = [0.0]
+        rig = sweep.TimeBudget(540, clock=lambda: clock[0], measure_seconds=measure)
+        rig.started(165)
+        clock[0] = 345  # 30 s left once the next server would be up
+        assert (rig.refuse_start("builtin") is not None) == refused
 
     monkeypatch.setattr(ServerSpec, "command", lambda self, port: [sys.executable, FAKE, "--port", str(port)])
     start = sweep.start_or_report
@@ -941,6 +947,9 @@ def test_a_time_budget_needs_interleaved_servers(capsys):
     with pytest.raises(SystemExit):
         sweep.parse_args(["--model-path", "m", "--impls", "ar", "--time-budget", "60"])
     assert "--time-budget needs --interleave" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--impls", "ar", "--model-path", "m", "--measure-seconds", "60"])
+    assert "--measure-seconds needs --time-budget" in capsys.readouterr().err
 
 
 def test_servers_stop_together_within_one_grace_window(tmp_path, monkeypatch):
