@@ -3,6 +3,7 @@
 # into parts that ride along with GPU runs, as the kit does.
 #
 #   bash lab/pack-fa3.sh [OUTDIR]      (default .fa3: writes .fa3-p1 .. .fa3-pN)
+#   FA3_SIZES_MB=16,22.4,22.4,21.3,21.3,21.3 bash lab/pack-fa3.sh   (parts sized to ride with the kit's)
 #
 # Stripped and packed with xz, split into 23 MiB parts (a run carries 64 MiB, the tree ~30 MB).
 # Carry them in back-to-back runs after the kit's; `source lab/gpu-env.sh VERSION` stashes them
@@ -25,7 +26,25 @@ unzip -qq -o "$wheel" 'sgl_kernel/flash_ops.abi3.so' -d "$stage"
 strip --strip-unneeded "$stage/sgl_kernel/flash_ops.abi3.so" 2>/dev/null || true
 rm -rf "$out"-p* "$out.tmp"
 mkdir -p "$out.tmp"
-xz -${FA3_XZ_LEVEL:-9} -T2 -c "$stage/sgl_kernel/flash_ops.abi3.so" | split -b "${FA3_PART_MB:-23}M" -d - "$out.tmp/fa3.part"
+if [ -n "${FA3_SIZES_MB:-}" ]; then
+    # Parts of the sizes given (MB, the rest in one more part), to fill what each staging call
+    # leaves beside the kit: 16,22.4,22.4,21.3,21.3,21.3 rides with 0.5.23's kit parts 1-2 (one
+    # part), 3 (two), then three, then the last (docs/gpu-lab.md).
+    xz -${FA3_XZ_LEVEL:-9} -T2 -c "$stage/sgl_kernel/flash_ops.abi3.so" > "$out.tmp/fa3.xz"
+    python3 - "$out.tmp" "$FA3_SIZES_MB" <<'PY'
+import os, sys
+folder, sizes = sys.argv[1], [int(float(mb) * 1e6) for mb in sys.argv[2].split(",")]
+data = open(os.path.join(folder, "fa3.xz"), "rb").read()
+off = 0
+for i, size in enumerate(sizes + [len(data)]):
+    if off < len(data):
+        open(os.path.join(folder, f"fa3.part{i:02d}"), "wb").write(data[off:off + size])
+    off += size
+PY
+    rm -f "$out.tmp/fa3.xz"
+else
+    xz -${FA3_XZ_LEVEL:-9} -T2 -c "$stage/sgl_kernel/flash_ops.abi3.so" | split -b "${FA3_PART_MB:-23}M" -d - "$out.tmp/fa3.part"
+fi
 (cd "$out.tmp" && sha256sum fa3.part* > fa3.sha256)
 i=0
 for f in "$out.tmp"/fa3.part*; do
