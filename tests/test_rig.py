@@ -125,6 +125,10 @@ def test_the_step_profile_runs_on_the_rig_with_its_flags(tmp_path, monkeypatch):
     assert spec.extra_args[-3:] == ["--skip-tokenizer-init", "--load-format", "dummy"]
     written = json.load(open(tmp_path / "out" / "profile_step.json"))
     assert set(written["ar"]) == set(written["plugin@8"]) == {"c1", "c8"}
+    seen.clear()  # a hybrid rig's servers get their recurrent-state pool sized for the top level
+    assert profile_step.main(["--rig", "zero", "--rig-shape", "qwen3.5-4b", "--rig-dir", str(tmp_path),
+                              "--impls", "ar", "--concurrency", "1,8", "--output-dir", str(tmp_path / "out")]) == 0
+    assert seen[0][0].extra_args[-4:] == ["--max-running-requests", "8", "--max-mamba-cache-size", "40"]
     with pytest.raises(SystemExit):
         profile_step.main(["--output-dir", str(tmp_path / "out"), "--rig", "zero", "--concurrency", "1,x"])
     with pytest.raises(SystemExit):

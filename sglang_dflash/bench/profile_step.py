@@ -39,7 +39,7 @@ from . import rig, sweep
 from .cli import comma_list, parser
 from .client import post_json, run_requests
 from .datasets import DEFAULT_DIR, FETCH_COMMAND, load_dataset_prompts, problem_with_cache, problem_with_names
-from .server import Server, ServerSpec, is_implementation, split_block_size
+from .server import DFLASH_IMPLS, Server, ServerSpec, is_implementation, split_block_size
 from .stats import summarize
 
 
@@ -534,7 +534,11 @@ def main(argv=None) -> int:
 
     for name in impls:
         impl, block_size = split_block_size(name)  # plugin@8: that server's block size
-        spec = ServerSpec(impl, args.model_path, args.draft_model_path, block_size, server_args,
+        # A hybrid rig's recurrent-state pool sized for the top level, as the sweep sizes it.
+        state_flags = rig.rig_hybrid.state_pool_for(
+            args.rig_shape, server_args, max(args.concurrency),
+            (block_size or 16) if impl in DFLASH_IMPLS else None)[0] if args.rig else []
+        spec = ServerSpec(impl, args.model_path, args.draft_model_path, block_size, server_args + state_flags,
                           rig.server_env(args.rig, args.rig_shape) if args.rig else {})
         profile_impl(spec, args, args.output_dir, on_level=lambda levels, name=name: write(name, levels))
     return 0

@@ -373,7 +373,7 @@ def state_pool(shape: str, running: int, block_size: Optional[int] = None) -> tu
 
     Left to itself SGLang gives the state 0.9/1.9 of what the fraction leaves after the weights and
     splits that between slots and snapshots: at the Qwen3.5-4B shape a state is 49 MiB and a block-16
-    verify's snapshots 786 MiB a request, so a 4 GiB pool ran one DFLASH request at a time."""
+    verify's snapshots 786 MiB a request, so by 0.5.23's rule a 4 GiB pool runs one DFLASH request at a time."""
     s = SHAPES.get(shape)
     if s is None:
         return [], 0
@@ -383,6 +383,19 @@ def state_pool(shape: str, running: int, block_size: Optional[int] = None) -> tu
     if block_size:
         total += (running + 1) * block_size * per_request
     return ["--max-running-requests", str(running), "--max-mamba-cache-size", str(slots)], total
+
+
+def state_pool_for(shape: str, server_args: list[str], running: int,
+                   block_size: Optional[int] = None) -> tuple[list[str], int]:
+    """:func:`state_pool` for a server with ``server_args``: nothing where they size the pool
+    already (``--max-mamba-cache-size``), their ``--max-running-requests`` where they set it."""
+    if shape not in SHAPES or "--max-mamba-cache-size" in server_args:
+        return [], 0
+    capped = "--max-running-requests" in server_args
+    if capped:
+        running = int(server_args[server_args.index("--max-running-requests") + 1])
+    flags, total = state_pool(shape, running, block_size)
+    return (flags[2:] if capped else flags), total
 
 
 def fp8_bytes(tensors: dict[str, tuple[int, ...]]) -> int:

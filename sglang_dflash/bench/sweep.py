@@ -232,16 +232,10 @@ def hybrid_state(args, impl: str, block_size: Optional[int]) -> tuple[list[str],
     """On a hybrid rig, the flags that size each server's recurrent-state pool for the sweep's top
     level (or its ``--max-running-requests``), and the bytes that pool takes
     (:func:`rig_hybrid.state_pool`); nothing where the server args size it already."""
-    if not getattr(args, "rig", None) or args.rig_shape not in rig.HYBRID_SHAPES:
+    if not getattr(args, "rig", None):
         return [], 0
-    flags = server_flags(args)
-    if "--max-mamba-cache-size" in flags:
-        return [], 0
-    capped = "--max-running-requests" in flags
-    running = int(flags[flags.index("--max-running-requests") + 1]) if capped else max(args.concurrencies)
     block = (block_size or args.block_sizes[0] or 16) if impl in DFLASH_IMPLS else None
-    state_flags, state = rig.rig_hybrid.state_pool(args.rig_shape, running, block)
-    return (state_flags[2:] if capped else state_flags), state
+    return rig.rig_hybrid.state_pool_for(args.rig_shape, server_flags(args), max(args.concurrencies), block)
 
 
 # ---------------------------------------------------------------------------------------------
