@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+import types
 
 import pytest
 from safetensors import safe_open
@@ -407,8 +408,11 @@ def test_a_hybrid_request_holds_the_recurrent_state_sglang_counts(shape, monkeyp
     qwen3_next = pytest.importorskip("sglang.srt.configs.qwen3_next")
     qwen3_5 = pytest.importorskip("sglang.srt.configs.qwen3_5")
     s = rig.HYBRID_SHAPES[shape]
-    if hasattr(qwen3_next, "linear_attn_tp_size"):  # read from the server's parallel state since 0.5.2x
+    # One GPU's share, without the server's parallel state: 0.5.23 reads linear_attn_tp_size(), 0.5.17 get_parallel().
+    if hasattr(qwen3_next, "linear_attn_tp_size"):
         monkeypatch.setattr(qwen3_next, "linear_attn_tp_size", lambda: 1)
+    monkeypatch.setattr(qwen3_next, "get_parallel",
+                        lambda: types.SimpleNamespace(attn_tp_size=1, enable_cp_tp_group_sharing=False))
     config = (qwen3_5.Qwen3_5MoeTextConfig if s.moe else qwen3_5.Qwen3_5TextConfig)(**rig_hybrid.text_config(s))
     assert config.mamba2_cache_params.mamba_cache_per_req == rig_hybrid.state_bytes_per_request(s)
 
