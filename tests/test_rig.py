@@ -422,16 +422,16 @@ def test_a_hybrid_rig_sizes_each_servers_state_pool_for_the_top_level(monkeypatc
     args = sweep.parse_args(["--impls", "ar,plugin", "--rig", "zero", "--rig-shape", "qwen3.5-4b",
                              "--concurrencies", "1,8,32"])
     per_request = 51_511_296  # SGLang's mamba_cache_per_req at this shape (the test above)
-    plain_flags, plain = sweep.hybrid_state(args, "ar", None)
+    plain_flags, plain = sweep.hybrid_state(args, "ar", None, sweep.server_flags(args))
     assert plain_flags == ["--max-running-requests", "32", "--max-mamba-cache-size", "160"]
     assert plain == 161 * per_request
-    flags, spec = sweep.hybrid_state(args, "plugin", None)  # the draft's block, 16
+    flags, spec = sweep.hybrid_state(args, "plugin", None, sweep.server_flags(args))  # the draft's block, 16
     assert flags == plain_flags and spec == plain + 33 * 16 * per_request
-    assert sweep.hybrid_state(args, "builtin", 8)[1] == plain + 33 * 8 * per_request
+    assert sweep.hybrid_state(args, "builtin", 8, sweep.server_flags(args))[1] == plain + 33 * 8 * per_request
     capped = sweep.parse_args(["--impls", "ar", "--rig", "zero", "--rig-shape", "qwen3.5-4b",
                                "--server-args", "--max-running-requests 64", "--concurrencies", "1,8"])
-    assert sweep.hybrid_state(capped, "ar", None) == (["--max-mamba-cache-size", "320"], 321 * per_request)
+    assert sweep.hybrid_state(capped, "ar", None, sweep.server_flags(capped)) == (["--max-mamba-cache-size", "320"], 321 * per_request)
     dense = sweep.parse_args(["--impls", "ar", "--rig", "zero", "--concurrencies", "1,8"])
-    assert sweep.hybrid_state(dense, "ar", None) == ([], 0)
+    assert sweep.hybrid_state(dense, "ar", None, sweep.server_flags(dense)) == ([], 0)
     spec = ServerSpec("plugin", "t", "d", None, state_bytes=spec)
     assert sweep.server_bytes(spec, 2.0) == sweep.weights_bytes(spec) + (2 << 30) + spec.state_bytes

@@ -228,14 +228,14 @@ def server_env(args) -> dict:
     return rig.server_env(args.rig, args.rig_shape) if getattr(args, "rig", None) else {}
 
 
-def hybrid_state(args, impl: str, block_size: Optional[int]) -> tuple[list[str], int]:
+def hybrid_state(args, impl: str, block_size: Optional[int], flags: list[str]) -> tuple[list[str], int]:
     """On a hybrid rig, the flags that size each server's recurrent-state pool for the sweep's top
     level (or its ``--max-running-requests``), and the bytes that pool takes
-    (:func:`rig_hybrid.state_pool`); nothing where the server args size it already."""
+    (:func:`rig_hybrid.state_pool`); nothing where the server ``flags`` size it already."""
     if not getattr(args, "rig", None):
         return [], 0
     block = (block_size or args.block_sizes[0] or 16) if impl in DFLASH_IMPLS else None
-    return rig.rig_hybrid.state_pool_for(args.rig_shape, server_flags(args), max(args.concurrencies), block)
+    return rig.rig_hybrid.state_pool_for(args.rig_shape, flags, max(args.concurrencies), block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,12 +511,13 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
             datasets[d] = [dict(p, sampling_params=payload_template) for p in prompts]
     rows, failures = [], []
     specs = []
+    flags = server_flags(args)
     for name in args.impls:
         impl, size = split_block_size(name)
         sizes = [size] if size else args.block_sizes if (impl in DFLASH_IMPLS or impl == "ngram") else [None]
         for b in sizes:
-            state_flags, state = hybrid_state(args, impl, b)
-            specs.append(ServerSpec(impl, args.model_path, args.draft_model_path, b, server_flags(args) + state_flags,
+            state_flags, state = hybrid_state(args, impl, b, flags)
+            specs.append(ServerSpec(impl, args.model_path, args.draft_model_path, b, flags + state_flags,
                                     server_env(args), state_bytes=state))
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
@@ -610,8 +611,13 @@ def weights_bytes(spec: ServerSpec) -> int:
     return weights
 
 
+def pool_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
+    """What a server's static fraction holds besides its weights: the KV pool and any recurrent state."""
+    return int(kv_cache_gb * (1 << 30)) + spec.state_bytes
+
+
 def server_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
-    return weights_bytes(spec) + int(kv_cache_gb * (1 << 30)) + spec.state_bytes
+    return weights_bytes(spec) + pool_bytes(spec, kv_cache_gb)
 
 
 def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float, neighbours_bytes: int = 0) -> ServerSpec:
@@ -623,7 +629,7 @@ def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float, neighbours_bytes:
     weights = weights_bytes(spec)
     if not free or not weights:
         return spec
-    fraction = memory_fraction(weights + neighbours_bytes, free, int(kv_cache_gb * (1 << 30)) + spec.state_bytes)
+    fraction = memory_fraction(weights + neighbours_bytes, free, pool_bytes(spec, kv_cache_gb))
     beside = f", {neighbours_bytes / 1e9:.1f} GB for neighbours loading alongside" if neighbours_bytes else ""
     state = f", {spec.state_bytes / (1 << 30):.1f} GiB of recurrent state" if spec.state_bytes else ""
     print(f"[{spec.label}] --mem-fraction-static {fraction} ({weights / 1e9:.1f} GB of weights, "
