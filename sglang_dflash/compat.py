@@ -262,6 +262,39 @@ class SGLangRelease:
         """Whether a width-1 step runs as a plain DECODE forward on this target attention backend."""
         return type(attn_backend).__name__ in DECODE_AT_WIDTH_ONE
 
+    def hybrid_decode_unserved(self, attn_backend) -> Optional[str]:
+        """Why a hybrid target's width-1 step cannot run as a plain DECODE here, or None. The DECODE
+        advances each request's recurrent state in place, so only a crossed track boundary needs a
+        copy, of the live state (:meth:`track_decoded_state`, through SGLang's all-layers track
+        kernel, the one its plain decode uses): every linear layer's conv and SSM state must then
+        sit in one pool each, with no side state of another kind beside them."""
+        linear = getattr(attn_backend, "linear_attn_backend", None)
+        pool = getattr(linear, "req_to_token_pool", None)
+        cache = getattr(getattr(pool, "mamba_pool", None), "mamba_cache", None)
+        if cache is None or not hasattr(cache, "temporal"):
+            return "the recurrent-state pool is not laid out as SGLang's mamba pool"
+        if len(cache.conv) != 1:
+            return f"{len(cache.conv)} conv-state pools (the track kernel copies one)"
+        side = getattr(pool, "short_conv_pool", None)
+        if side is not None and getattr(side, "conv_state", None) is not None:
+            return "a short-conv side state (committed by the verify only)"
+        return None
+
+    def track_decoded_state(self, attn_backend, track_mask, track_indices) -> None:
+        """Copy the recurrent state a DECODE left in each request's slot into its track slot, for
+        the rows of ``track_mask``: the checkpoint at a track boundary the decoded token reached.
+        The slots are those of the forward that just ran on ``attn_backend``."""
+        from sglang.kernels.ops.mamba.mamba_state_scatter_triton import track_mamba_states_all_layers
+
+        linear = attn_backend.linear_attn_backend
+        cache = linear.req_to_token_pool.mamba_pool.mamba_cache
+        rows = track_mask.shape[0]
+        track_mamba_states_all_layers(  # the slots as the decode kernels read them (virtual to physical)
+            cache.conv[0], cache.temporal, linear.forward_metadata.mamba_cache_indices[:rows], track_mask,
+            linear._translate_mamba_indices(track_indices), rows,
+            check_freed_slots=bool(getattr(linear, "enable_unified_memory", False)),
+        )
+
     def build_width_runners(self, model_runner, widths, capture: bool, decode_width_one: bool = False,
                             on_backend=None) -> dict:
         """For each verify width: a target attention backend of its own and, with decode graphs
@@ -522,6 +555,11 @@ class SGLangRelease:
             Symbol("sglang.srt.layers.attention.hybrid_linear_attn_backend", "HybridLinearAttnBackend.linear_attn_backend"),
             Symbol("sglang.srt.layers.attention.linear.gdn_backend", "GDNAttnBackend.kernel_dispatcher"),
             Symbol("sglang.srt.layers.attention.linear.gdn_backend", "GDNKernelDispatcher.verify_kernel_is_flashinfer"),
+            # width 1 as a DECODE on a hybrid target: the live state copied to a crossed track boundary
+            Symbol("sglang.kernels.ops.mamba.mamba_state_scatter_triton", "track_mamba_states_all_layers",
+                   ("conv_states_pool", "ssm_states_pool", "cache_indices", "mamba_track_mask", "mamba_track_indices",
+                    "batch_size", "check_freed_slots")),
+            Symbol("sglang.srt.layers.attention.hybrid_linear_attn_backend", "MambaAttnBackendBase._translate_mamba_indices"),
         ]
         if self.has("declared_resolution"):
             syms += [

@@ -43,6 +43,9 @@ ONE_TOKEN_PREFILL_GRAPH_ENV = "SGLANG_DFLASH_ONE_TOKEN_PREFILL_GRAPH"
 # 0 = the target's verify logits cast to float32 inside every verify, as SGLang does, instead of only
 # for the batches that read more than an argmax (sampling.HalfVerifyLogits; A/B runs).
 HALF_VERIFY_LOGITS_ENV = "SGLANG_DFLASH_HALF_VERIFY_LOGITS"
+# 0 = a hybrid target's width-1 step stays a 1-token verify whose recurrent state is committed from
+# the verify's scratch, not a plain DECODE that advances the state in place (A/B runs).
+HYBRID_DECODE_ENV = "SGLANG_DFLASH_HYBRID_DECODE"
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -109,6 +112,10 @@ def skip_host_lengths() -> bool:
 
 def half_verify_logits() -> bool:
     return os.environ.get(HALF_VERIFY_LOGITS_ENV, "1") != "0"
+
+
+def hybrid_decode() -> bool:
+    return os.environ.get(HYBRID_DECODE_ENV, "1") != "0"
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

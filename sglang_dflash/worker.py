@@ -20,7 +20,8 @@ Hybrid targets (gated delta net / mamba layers): the verify leaves the recurrent
 block step aside; :meth:`DFlashWorker.commit_recurrent_state` keeps the last committed step's and,
 with the radix cache's ``extra_buffer`` strategy, snapshots the step at a crossed track boundary.
 A narrower verify writes its steps into the same block-sized scratch, and is committed through its
-own width's backend. Width 1 stays a 1-token verify there: a DECODE would advance the state in place.
+own width's backend. Width 1 is a DECODE there too, which advances the state in place: nothing to
+commit, and a crossed track boundary is copied from the live state (:meth:`DFlashWorker.track_decoded_state`).
 
 Verify width (adaptive by default; ``SGLANG_DFLASH_WIDTHS``): a step may verify only the first w of the
 B candidates (w = 1: the bonus alone, no draft pass), on a target attention backend and verify
@@ -66,9 +67,9 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
-from .config import (DRAFT_VOCAB_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
-                     context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, ragged_verify, verify_widths,
-                     widths_by_default, width_policy_kind)
+from .config import (DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
+                     context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, hybrid_decode, ragged_verify,
+                     verify_widths, widths_by_default, width_policy_kind)
 from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
@@ -336,13 +337,22 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         a narrower block at all: its eager verify assumes the width it was built with."""
         mr = self.model_runner
         self.width_pairs = {self.block_size: (mr.attn_backend, mr.decode_cuda_graph_runner)}
-        # A hybrid verifies one token at width 1: a DECODE advances the recurrent state in place, and
-        # the commit after every step would copy a stale snapshot over it.
-        self.width_one_decodes = 1 in self.widths and not self.hybrid and self.release.decodes_width_one(mr.attn_backend)
+        self.width_one_decodes = 1 in self.widths and self.release.decodes_width_one(full_attention(mr.attn_backend))
+        if self.width_one_decodes and self.hybrid:
+            why = self._hybrid_decode_unserved(mr.attn_backend)
+            self.width_one_decodes = why is None
+            if get_parallel().tp_rank == 0:
+                logger.info("DFLASH width 1 on this hybrid target: %s", "a DECODE" if why is None else f"a 1-token verify ({why})")
         self.width_pairs.update(
             self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes,
                                              on_backend=route_block_attention))
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
+
+    def _hybrid_decode_unserved(self, attn_backend) -> Optional[str]:
+        """Why a hybrid target's width-1 step stays a 1-token verify, or None for a plain DECODE."""
+        if not hybrid_decode():
+            return f"{HYBRID_DECODE_ENV}=0"
+        return self.release.hybrid_decode_unserved(attn_backend)
 
     def server_info(self) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
@@ -432,7 +442,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
         if batch.return_logprob:
             self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, width)
-        if self.hybrid:
+        if self.hybrid and width == 1 and self.width_one_decodes:
+            self.track_decoded_state(batch, accepted)
+        elif self.hybrid:
             self.commit_recurrent_state(batch, accepted, width)
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
@@ -675,6 +687,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         graphs or eagerly, as for a plain decode step: planned here too, the graph replay would
         copy its inputs a second time."""
         saved = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info
+        if self.hybrid:  # the track slots as the scheduler holds them now, and no tracking inside the forward
+            prepare_mamba_track_for_verify(batch)
+            batch.mamba_track_mask = None
         batch.input_ids, batch.forward_mode, batch.spec_info = block.candidates[:, 0], ForwardMode.DECODE, None
         batch.out_cache_loc = block.cache_loc.view(-1)
         batch.seq_lens = batch.seq_lens + 1
@@ -749,6 +764,16 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,
         )
+
+    def track_decoded_state(self, batch, accepted: Accepted) -> None:
+        """Hybrid targets after a width-1 DECODE: the forward advanced each recurrent state in place,
+        so nothing is committed; where the token reached a track boundary, the live state is copied
+        into the radix cache's track slot (a verify's commit copies its scratch step there)."""
+        if batch.mamba_track_indices is None:
+            return
+        steps = mamba_track_steps(batch.seq_lens, accepted.commit_len, self.release.mamba_track_interval(batch))
+        track = batch.mamba_track_indices
+        self.release.track_decoded_state(self.width_pairs[1][0], (steps >= 0) & (track >= 0), track)
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)

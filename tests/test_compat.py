@@ -260,3 +260,36 @@ def test_a_ragged_layout_takes_the_smallest_tier_that_holds_the_lanes_and_past_t
     assert asked == [{"verify_lens_cpu": [4, 1, 3], "device": "cpu", "grid": [4, 8, 16]},
                      {"verify_lens_cpu": [16, 16], "device": "cpu", "grid": [32]},
                      {"verify_lens_cpu": [2], "device": "cpu", "grid": [2]}]
+
+
+TRACK_AFTER_DECODE = r"""
+import torch
+from types import SimpleNamespace
+from sglang_dflash.compat import running
+
+torch.manual_seed(0)
+conv, temporal = torch.randn(2, 6, 3, 2), torch.randn(2, 6, 2, 2, 2)  # [layers, slots, ...]
+before = conv.clone(), temporal.clone()
+cache = SimpleNamespace(conv=[conv], temporal=temporal)
+linear = SimpleNamespace(
+    req_to_token_pool=SimpleNamespace(mamba_pool=SimpleNamespace(mamba_cache=cache)),
+    forward_metadata=SimpleNamespace(mamba_cache_indices=torch.tensor([1, 2, 3, 5])),  # a graph's padded rows
+    _translate_mamba_indices=lambda t: t + 0, enable_unified_memory=False)
+running().track_decoded_state(SimpleNamespace(linear_attn_backend=linear), torch.tensor([False, True, True]),
+                              torch.tensor([4, 5, 0]))
+for new, old in ((conv, before[0]), (temporal, before[1])):
+    want = old.clone()
+    want[:, 5], want[:, 0] = old[:, 2], old[:, 3]
+    assert torch.equal(new, want), (new - want).abs().amax(dim=tuple(range(2, new.dim())))
+print("tracked")
+"""
+
+
+def test_a_decoded_state_reaches_the_track_slot_of_each_marked_request_in_every_layer():
+    """A hybrid target's width-1 DECODE leaves the live recurrent state in each request's slot;
+    SGLang's own all-layers track kernel (the installed release's, under the Triton interpreter)
+    copies it, conv and SSM, to the track slots of the marked requests alone, and nothing else moves."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", TRACK_AFTER_DECODE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and "tracked" in out.stdout, out.stdout[-1000:] + out.stderr[-3000:]

@@ -346,6 +346,7 @@ def narrow_worker(monkeypatch, B=8):
     worker = object.__new__(DFlashWorker)
     worker.stalls = StepStalls()
     worker.block_size, worker.mask_token_id, worker.window, worker.context_in_graph = B, 99, None, None
+    worker.hybrid = False
     worker.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
         req_to_token=torch.arange(4 * 64).view(4, 64) + 1000))
     worker.draft_calls = 0
@@ -976,6 +977,46 @@ def test_a_width_one_decode_step_commits_what_the_one_token_verify_commits(monke
     assert eager == ({} if runner == "graph" else {1: 1}) and worker.decode_steps == 1
 
 
+@pytest.mark.parametrize("decodes", [True, False])
+def test_a_hybrid_width_one_decode_commits_nothing_and_tracks_the_live_state_at_a_crossed_boundary(monkeypatch, decodes):
+    """On a hybrid target a width-1 DECODE advanced the recurrent state in place: the verify's
+    commit, which copies a scratch step over the slot, must not run after it. The track slots are
+    refreshed and the extend-time track mask cleared before the forward is built (no tracking
+    inside it); afterwards the live state goes to the track slot of each request whose token
+    reached a boundary (lengths 5 and 9 grow to 6 and 10: interval 10 marks the second), never to
+    a freed one. The 1-token verify (SGLANG_DFLASH_HYBRID_DECODE=0) commits as before."""
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker
+
+    worker, batch, log, (backend, _), _ = whole_step_worker(monkeypatch, "graph", decodes)
+    seen, prepared, held = [], [], {"slots": torch.tensor([3, 4])}  # the track slots the requests hold
+
+    def prepare_track(b):
+        assert len(log.init_new) == len(prepared), "the track slots are refreshed before the forward is built"
+        prepared.append(b)
+        seen.append("prepare")
+        b.mamba_track_indices, b.mamba_track_mask = held["slots"], None
+
+    monkeypatch.setattr(worker_mod, "prepare_mamba_track_for_verify", prepare_track)
+    worker.hybrid, worker.width_pairs[1] = True, (backend, worker.width_pairs[1][1])
+    worker.release = SimpleNamespace(
+        has=lambda change: True, mamba_track_interval=lambda b: 10,
+        track_decoded_state=lambda on, mask, track: seen.append(("track", on, mask.tolist(), track.tolist())))
+    worker.commit_recurrent_state = lambda b, accepted, width: seen.append(("commit", width))
+    batch.mamba_track_mask = torch.tensor([True, True])  # left by the prefill
+    batch.mamba_track_indices = torch.tensor([3, 4])
+    result = DFlashWorker.forward_batch_generation(worker, batch)
+    assert result.new_seq_lens.tolist() == [6, 10]
+    if decodes:
+        assert seen == ["prepare", ("track", backend, [False, True], [3, 4])] and batch.mamba_track_mask is None
+        held["slots"] = torch.tensor([3, -1])  # the second request's track slot was freed
+        seen.clear()
+        DFlashWorker.forward_batch_generation(worker, batch)
+        assert seen[-1] == ("track", backend, [False, False], [3, -1])
+    else:
+        assert seen == [("commit", 1)]
+
+
 def test_the_targets_verify_and_width_one_decode_graphs_write_the_draft_context_of_every_row():
     """The capture-tail hook writes the tapped hidden states of every row at its position and
     slot, in the target's TARGET_VERIFY graphs and its DECODE graphs (width 1) but not in the
@@ -1049,11 +1090,57 @@ def test_width_one_decodes_where_the_targets_decode_planning_takes_the_device_le
 
     # Every narrower width's backend is offered to the block-attention route before its graphs.
     assert worker.width_one_decodes is decodes and built == [(decodes, route_block_attention)]
-    # A hybrid target verifies one token at width 1, whatever its full-attention backend: a DECODE
-    # would advance the recurrent state in place, and the commit after it copy a stale snapshot over it.
-    worker.hybrid = True
-    DFlashWorker._build_width_pairs(worker, capture=True)
-    assert worker.width_one_decodes is False and built[-1][0] is False
+
+
+def hybrid_wrapper(full_attention_class: str, conv_pools: int = 1, short_conv: bool = False):
+    """A hybrid target's attention backend as SGLang wraps it: the full-attention backend and the
+    linear one, whose request pool holds the recurrent-state pool (one conv pool per kind)."""
+    cache = SimpleNamespace(temporal=torch.zeros(2, 5, 3), conv=[torch.zeros(2, 5, 2)] * conv_pools)
+    pool = SimpleNamespace(mamba_pool=SimpleNamespace(mamba_cache=cache),
+                           short_conv_pool=SimpleNamespace(conv_state=torch.zeros(1) if short_conv else None))
+    linear = SimpleNamespace(req_to_token_pool=pool)
+    return type("HybridLinearAttnBackend", (), {})(), type(full_attention_class, (), {})(), linear
+
+
+@pytest.mark.parametrize("full, env, conv_pools, short_conv, decodes", [
+    ("TritonAttnBackend", None, 1, False, True), ("FlashAttentionBackend", "1", 1, False, True),
+    ("FlashInferAttnBackend", None, 1, False, False),  # plans its decode from the host's lengths
+    ("TritonAttnBackend", "0", 1, False, False),  # SGLANG_DFLASH_HYBRID_DECODE=0: the 1-token verify (A/B)
+    ("TritonAttnBackend", None, 2, False, False),  # the track kernel copies one conv pool
+    ("TritonAttnBackend", None, 1, True, False)])  # a side state only the verify's commit rolls
+def test_a_hybrid_decodes_width_one_where_its_state_pool_can_be_tracked_after_the_decode(
+        monkeypatch, caplog, full, env, conv_pools, short_conv, decodes):
+    """On a hybrid target width 1 is a DECODE when the full-attention backend inside SGLang's
+    wrapper plans decodes from the device lengths and the recurrent state sits in the one pool
+    SGLang's track kernel copies from; else a 1-token verify, said in the log."""
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash import compat
+    from sglang_dflash.worker import DFlashWorker
+
+    monkeypatch.setattr(compat.SGLangRelease, "build_width_runners",
+                        lambda self, mr, widths, capture, decode_width_one, on_backend: {})
+    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_size=1, tp_rank=0))
+    if env is None:
+        monkeypatch.delenv("SGLANG_DFLASH_HYBRID_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_DFLASH_HYBRID_DECODE", env)
+    wrapper, full_backend, linear = hybrid_wrapper(full, conv_pools, short_conv)
+    wrapper.full_attn_backend, wrapper.linear_attn_backend = full_backend, linear
+    worker = object.__new__(DFlashWorker)
+    worker.stalls = StepStalls()
+    worker.release, worker.block_size, worker.widths = compat.running(), 16, (16, 8, 4, 2, 1)
+    worker.width_policy, worker.hybrid = SimpleNamespace(), True
+    worker.model_runner = SimpleNamespace(attn_backend=wrapper, decode_cuda_graph_runner="g16")
+    with caplog.at_level("INFO", logger="sglang_dflash"):
+        DFlashWorker._build_width_pairs(worker, capture=True)
+    assert worker.width_one_decodes is decodes
+    said = [r.getMessage() for r in caplog.records if "width 1 on this hybrid" in r.getMessage()]
+    if full == "FlashInferAttnBackend":
+        assert said == []
+    elif decodes:
+        assert said == ["DFLASH width 1 on this hybrid target: a DECODE"]
+    else:
+        assert len(said) == 1 and "a 1-token verify" in said[0], said
 
 
 GDN_SERVED = None
