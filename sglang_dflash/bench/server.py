@@ -50,6 +50,10 @@ IMPLEMENTATIONS = {
     "adaptive-nofallback": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                     "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                     "SGLANG_DFLASH_FALLBACK": "off"}),
+    # The default on a hybrid target with width 1 as a 1-token verify and its state commit, not a DECODE.
+    "adaptive-verify1": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                                 "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
+                                                                 "SGLANG_DFLASH_HYBRID_DECODE": "0"}),
     # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, 2026-11-29).
     "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),
