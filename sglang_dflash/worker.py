@@ -443,7 +443,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if batch.return_logprob:
             self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, width)
         if self.hybrid and width == 1 and self.width_one_decodes:
-            self.track_decoded_state(batch, accepted)
+            self.track_decoded_state(batch)
         elif self.hybrid:
             self.commit_recurrent_state(batch, accepted, width)
         if on_publish is not None:
@@ -765,15 +765,16 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             req_pool_indices=batch.req_pool_indices,
         )
 
-    def track_decoded_state(self, batch, accepted: Accepted) -> None:
+    def track_decoded_state(self, batch) -> None:
         """Hybrid targets after a width-1 DECODE: the forward advanced each recurrent state in place,
         so nothing is committed; where the token reached a track boundary, the live state is copied
         into the radix cache's track slot (a verify's commit copies its scratch step there)."""
         if batch.mamba_track_indices is None:
             return
-        steps = mamba_track_steps(batch.seq_lens, accepted.commit_len, self.release.mamba_track_interval(batch))
+        # mamba_track_steps(...) == 0 at commit length 1, in half the launches: a width-1 step is host-bound
+        reached = (batch.seq_lens + 1) % self.release.mamba_track_interval(batch) == 0
         track = batch.mamba_track_indices
-        self.release.track_decoded_state(self.width_pairs[1][0], (steps >= 0) & (track >= 0), track)
+        self.release.track_decoded_state(self.width_pairs[1][0], reached & (track >= 0), track)
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)

@@ -101,6 +101,15 @@ def test_the_pre_verify_length_rule_misses_the_checkpoints():
     assert marked and all(held != length for length, held in marked)
 
 
+def test_a_one_token_commit_reaches_a_boundary_where_the_track_steps_name_step_zero():
+    """The width-1 DECODE's track rule, (seq_len + 1) % interval == 0, is mamba_track_steps at commit length 1."""
+    seq = torch.arange(0, 200)
+    for interval in (1, 7, 32, 64):
+        steps = mamba_track_steps(seq, torch.ones_like(seq, dtype=torch.int32), interval)
+        assert set(steps.tolist()) <= {-1, 0}
+        assert torch.equal(steps == 0, (seq + 1) % interval == 0)
+
+
 def test_track_steps_batch_and_no_crossing():
     seq = torch.tensor([30, 32, 10, 63])
     commit = torch.tensor([5, 16, 3, 1], dtype=torch.int32)
