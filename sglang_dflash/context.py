@@ -26,6 +26,7 @@ from sglang.srt.runtime_context import get_parallel
 from .config import (DRAFT_RING_ENV, RAGGED_ENV, DFlashConfigError, DFlashDraftConfig, draft_ring, ragged_verify,
                      read_draft_config)
 from .draft import DraftBlock, DraftRing, DraftWindow, draft_kv_bytes_per_token, ring_budget, ring_tokens
+from .host_pauses import host_phase
 from .sampling import to_device_async
 
 logger = logging.getLogger("sglang_dflash")
@@ -215,6 +216,7 @@ class DraftContext:
         kept_positions = positions[keep]
         self.write_context_kv(hidden[keep], kept_positions, ring.slots(kept_rows, kept_positions))
 
+    @host_phase("context")
     def commit_context(self, hidden: torch.Tensor, block: DraftBlock, commit_len: torch.Tensor,
                        req_pool_indices: Optional[torch.Tensor] = None) -> None:
         """Draft K/V for the committed prefix of each block (rows past commit_len are skipped)."""

@@ -103,6 +103,7 @@ class StepStalls:
         self.by_width: dict[tuple[int, int], deque] = {}  # (width, bucket) -> (call s, gap s)
         self.decode_calls, self.decode_call_s, self.decode_gap_s = 0, 0.0, 0.0  # since start, gap known
         self.policy_s = 0.0  # since start: the width policy's own calls (the worker adds them, :func:`policy_time`)
+        self.phase_s: dict[str, float] = {}  # since start: each named step of a decode call (:func:`host_phase`)
         self.by_mode: dict[str, list] = {}  # mode -> [calls, tokens, call s, gap s] since start
         self.by_transition: dict[str, list] = {}  # "previous>this" mode -> [calls, call s, gap s] since start
         self._start: Optional[float] = None
@@ -151,7 +152,8 @@ class StepStalls:
                 "recent": list(self.recent),  # [call, previous>this mode, bs, tokens, call ms, gap ms]
                 "host_ms_by_width": by_width,  # medians of the last decode calls at each width@bucket
                 "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
-                                "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3)},
+                                "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3),
+                                "phases_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.phase_s.items())}},
                 "by_mode": {mode: {"calls": n, "tokens": tokens, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
                             for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())},
                 "by_transition": {key: {"calls": n, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
@@ -164,6 +166,24 @@ def call_shape(batch, extend: bool) -> tuple[str, int, int]:
     seq_lens = getattr(batch, "seq_lens", None)
     tokens = int(getattr(batch, "extend_num_tokens", None) or 0) if extend else 0
     return mode, len(seq_lens) if seq_lens is not None else 0, tokens
+
+
+def host_phase(name: str):
+    """Adds a decode step's named part (draft, verify, accept, state, context) to
+    ``self.stalls.phase_s[name]``: with the overlap schedule a part only launches work, so its host
+    time is what the scheduler waits on when the step is host-bound."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                stalls = getattr(self, "stalls", None)
+                if stalls is not None:
+                    stalls.phase_s[name] = stalls.phase_s.get(name, 0.0) + time.perf_counter() - started
+        return timed
+    return wrap
 
 
 def policy_time(method):

@@ -76,7 +76,7 @@ from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
 from .fallback import make_fallback
-from .host_pauses import StepStalls, call_shape, policy_time, process_pauses
+from .host_pauses import StepStalls, call_shape, host_phase, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import (HalfVerifyLogits, OutputCounts, PlainDecodingKernels, argmax_only, plain_decoding_kernels,
@@ -529,6 +529,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         result.next_draft_input = make_draft_input(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
 
+    @host_phase("draft")
     def draft_step(self, batch, bufs: dict, width: Optional[int] = None) -> DraftBlock:
         """One parallel draft pass over ``[bonus, mask...]``; returns the first ``width`` (default
         B) verify candidates. Width 1 is a plain decode step: the bonus alone, no draft pass."""
@@ -599,6 +600,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             return reserved.to(torch.int32)
         return (batch.seq_lens.cpu() + self.block_size).to(torch.int32)
 
+    @host_phase("verify")
     def verify_step(self, batch, block: DraftBlock, lane_widths: Optional[list] = None):
         """The target over the block's candidates (causal, one pass); returns logits and hidden
         states, whether it ran from CUDA graphs, and whether those graphs already wrote the draft
@@ -706,6 +708,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         """Whether the target forward that just ran wrote the draft context (:class:`ContextInVerifyGraph`)."""
         return self.context_in_graph is not None and self.context_in_graph.wrote(runner, ran_graph)
 
+    @host_phase("accept")
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
                     penalty_rows: Optional[torch.Tensor] = None) -> Accepted:
         """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft).
@@ -747,6 +750,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             flat = logits.view(-1, logits.shape[-1])
             apply_custom_logit_processor(flat, info, num_tokens_in_batch=logits.shape[1])
 
+    @host_phase("state")
     def commit_recurrent_state(self, batch, accepted: Accepted, width: int) -> None:
         """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
         committed step's, and copy a crossed track boundary's into the radix cache's track slot.
@@ -765,6 +769,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             req_pool_indices=batch.req_pool_indices,
         )
 
+    @host_phase("state")
     def track_decoded_state(self, batch) -> None:
         """Hybrid targets after a width-1 DECODE: the forward advanced each recurrent state in place,
         so nothing is committed; where the token reached a track boundary, the live state is copied

@@ -53,7 +53,8 @@ def make_handler(args):
                                                   "stall_ms": 60.0 * (count["n"] // 3),
                                                   "recent": [[5 * count["n"], "decode>extend", 2, 256, 60.0, 1.0]],
                                                   "decode_host": {"calls": 4 * count["n"], "call_ms": 8.0 * count["n"],
-                                                                  "gap_ms": 4.0 * count["n"], "policy_ms": 0.2 * count["n"]},
+                                                                  "gap_ms": 4.0 * count["n"], "policy_ms": 0.2 * count["n"],
+                                                                  "phases_ms": {"verify": 4.8 * count["n"], "accept": 1.2 * count["n"]}},
                                                   # per request: 4 decode steps (8 ms in calls, 4 before),
                                                   # one admission (3 ms in the call, 1 before)
                                                   "by_mode": {

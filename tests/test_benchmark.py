@@ -367,9 +367,12 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert any(n // 3 > (n - 1) // 3 for n in gcs)
     assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
     # Host time per decode step, wave by wave from the running totals (the fake: 2 ms in the call,
-    # 1 ms before it, 50 us of it the width policy's); the first wave has no totals before it.
-    assert wave_host_per_step(rows["plugin"]) == [{"call": 2000.0, "gap": 1000.0, "policy": 50.0}] * 2
+    # 1 ms before it, 50 us of it the width policy's, and of the call 1.2 ms verifying, 0.3 accepting);
+    # the first wave has no totals before it.
+    assert wave_host_per_step(rows["plugin"]) == [
+        {"call": 2000.0, "gap": 1000.0, "policy": 50.0, "phases": {"verify": 1200.0, "accept": 300.0}}] * 2
     assert wave_host_per_step(rows["ar"]) == []
+    assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 | 0.0 | 1200.0 | 300.0 | 0.0 | 0.0 |" in (tmp_path / "report.md").read_text()
     # The scheduler's time by mode, wave by wave: decode steps 12 of each 16 ms, admissions 4.
     assert wave_time_by_mode(rows["plugin"]) == [{"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25},
                                                   "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625}}] * 2

@@ -677,7 +677,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert {"gc_full_collections", "gc_longest_ms", "gc_total_ms"} <= set(pauses)
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
                                              "host_ms_by_width": {}, "decode_host": {"calls": 0, "call_ms": 0.0,
-                                                                                     "gap_ms": 0.0, "policy_ms": 0.0},
+                                                                                     "gap_ms": 0.0, "policy_ms": 0.0, "phases_ms": {}},
                                              "by_mode": {}, "by_transition": {}}
     from sglang_dflash.draft_input import bulk_prepare_serves
 
@@ -771,7 +771,7 @@ def test_decode_calls_are_kept_by_verify_width(monkeypatch):
     report = stalls.report()
     assert report["host_ms_by_width"] == {"16@16": {"call": 3.0, "gap": 2.0, "n": 2}, "8@16": {"call": 5.0, "gap": 1.0, "n": 1}}
     # Summed since start too, so two reads give a wave's mean host time per decode step.
-    assert report["decode_host"] == {"calls": 3, "call_ms": 11.0, "gap_ms": 5.0, "policy_ms": 0.0}
+    assert report["decode_host"] == {"calls": 3, "call_ms": 11.0, "gap_ms": 5.0, "policy_ms": 0.0, "phases_ms": {}}
 
 
 def test_the_width_policys_own_calls_are_summed_as_host_time(monkeypatch):
@@ -788,6 +788,28 @@ def test_the_width_policys_own_calls_are_summed_as_host_time(monkeypatch):
     assert worker.choose_widths(None, 4) == (16, None)  # 0.2 ms
     worker.on_verify_complete_cpu([1, 2])  # 0.5 ms
     assert worker.stalls.report()["decode_host"]["policy_ms"] == 0.7
+
+
+def test_a_decode_steps_named_parts_are_summed_as_host_time(monkeypatch):
+    """Where a host-bound step spends its worker call: each named part's host time (the worker's
+    methods under ``host_phase``) summed since start, the two state commits under one name, and a
+    part that raised counted too."""
+    import sglang_dflash.host_pauses as host_pauses
+
+    clock = iter([1.0, 1.0003, 2.0, 2.0001, 3.0, 3.0004, 4.0, 4.0002])
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+    from sglang_dflash.worker import DFlashWorker
+
+    worker = object.__new__(DFlashWorker)
+    worker.stalls, worker.hybrid = host_pauses.StepStalls(), True
+    worker.release = SimpleNamespace(track_decoded_state=lambda *args: None)
+    DFlashWorker.track_decoded_state(worker, SimpleNamespace(mamba_track_indices=None))  # 0.3 ms
+    DFlashWorker.track_decoded_state(worker, SimpleNamespace(mamba_track_indices=None))  # 0.1 ms
+    with pytest.raises(AttributeError):
+        DFlashWorker.commit_recurrent_state(worker, SimpleNamespace(), None, 1)  # 0.4 ms, then raised
+    with pytest.raises(AttributeError):
+        DFlashWorker.accept_step(worker, SimpleNamespace(), SimpleNamespace(), None, {})  # 0.2 ms
+    assert worker.stalls.report()["decode_host"]["phases_ms"] == {"accept": 0.2, "state": 0.8}
 
 
 def test_worker_calls_are_named_by_the_mode_they_came_in():

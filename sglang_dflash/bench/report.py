@@ -48,13 +48,24 @@ def waves_table(rows: list[dict], waves_of, cells_of, title: str, columns: list[
     return [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines, ""]
 
 
+HOST_PHASES = ("draft", "verify", "accept", "state", "context")
+
+
 def host_time_table(rows: list[dict]) -> list[str]:
     """Plugin servers' host time per decode step, medians over a level's waves: where a server whose
-    steps take longer spends it (the worker call or the scheduler's gap, and the width policy's share)."""
-    return waves_table(
-        rows, wave_host_per_step,
-        lambda waves: [f"{statistics.median(w[k] for w in waves):.1f}" for k in ("call", "gap", "policy")],
-        "## Host time per decode step (us): medians over waves", ["worker call", "gap before it", "width policy"])
+    steps take longer spends it (the worker call or the scheduler's gap, the width policy's share,
+    and the worker call's named parts; "-" where the server did not report them)."""
+    def cells(waves):
+        def phase(name):
+            got = [w["phases"].get(name, 0.0) for w in waves if "phases" in w]
+            return f"{statistics.median(got):.1f}" if got else "-"
+
+        return [f"{statistics.median(w[k] for w in waves):.1f}" for k in ("call", "gap", "policy")] + [
+            phase(name) for name in HOST_PHASES]
+
+    return waves_table(rows, wave_host_per_step, cells,
+                       "## Host time per decode step (us): medians over waves (draft to context: parts of the worker call)",
+                       ["worker call", "gap before it", "width policy", *HOST_PHASES])
 
 
 def time_by_mode_table(rows: list[dict]) -> list[str]:

@@ -160,15 +160,20 @@ def paired_wave_cycles(rows: list[dict], a: str = "plugin", b: str = "builtin") 
 def wave_host_per_step(row: dict) -> list[dict]:
     """Each wave's mean host time per decode step (us) of a plugin server, from the running totals
     read after every wave (``wave_host_pauses``' ``decode_host``): in the worker call, in the
-    scheduler's gap before it, and the width policy's own calls (in either). The level's first wave
-    is left out, its totals start from the wave before (of another level, or none)."""
+    scheduler's gap before it, the width policy's own calls (in either), and the worker call's named
+    parts (``phases``: draft, verify, accept, state, context) where the server reports them. The
+    level's first wave is left out, its totals start from the wave before (of another level, or none)."""
     totals = [w.get("decode_host") for w in row.get("wave_host_pauses") or []]
     out = []
     for before, after in zip(totals, totals[1:]):
         if not before or not after or after["calls"] <= before["calls"]:
             continue
         calls = after["calls"] - before["calls"]
-        out.append({k: round(1e3 * (after[f"{k}_ms"] - before[f"{k}_ms"]) / calls, 1) for k in ("call", "gap", "policy")})
+        wave = {k: round(1e3 * (after[f"{k}_ms"] - before[f"{k}_ms"]) / calls, 1) for k in ("call", "gap", "policy")}
+        if "phases_ms" in after:
+            then = before.get("phases_ms") or {}
+            wave["phases"] = {k: round(1e3 * (v - then.get(k, 0.0)) / calls, 1) for k, v in after["phases_ms"].items()}
+        out.append(wave)
     return out
 
 
