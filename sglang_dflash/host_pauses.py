@@ -168,10 +168,8 @@ def call_shape(batch, extend: bool) -> tuple[str, int, int]:
     return mode, len(seq_lens) if seq_lens is not None else 0, tokens
 
 
-def host_phase(name: str):
-    """Adds a decode step's named part (draft, verify, accept, state, context) to
-    ``self.stalls.phase_s[name]``: with the overlap schedule a part only launches work, so its host
-    time is what the scheduler waits on when the step is host-bound."""
+def timed_into(add):
+    """A decorator for worker methods: each call's host time goes to ``add(self, seconds)``, raised or not."""
     def wrap(method):
         @functools.wraps(method)
         def timed(self, *args, **kwargs):
@@ -179,21 +177,26 @@ def host_phase(name: str):
             try:
                 return method(self, *args, **kwargs)
             finally:
-                stalls = getattr(self, "stalls", None)
-                if stalls is not None:
-                    stalls.phase_s[name] = stalls.phase_s.get(name, 0.0) + time.perf_counter() - started
+                add(self, time.perf_counter() - started)
         return timed
     return wrap
 
 
-def policy_time(method):
-    """Adds a worker method's host time to ``self.stalls.policy_s``: the width policy's own share of
-    the steps (its calls run in the worker call and, learning, in the scheduler's gap)."""
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.stalls.policy_s += time.perf_counter() - started
-    return timed
+def host_phase(name: str):
+    """Adds a decode step's named part (draft, verify, accept, state, context) to
+    ``self.stalls.phase_s[name]``: with the overlap schedule a part only launches work, so its host
+    time is what the scheduler waits on when the step is host-bound."""
+    def add(self, seconds: float) -> None:
+        stalls = getattr(self, "stalls", None)
+        if stalls is not None:
+            stalls.phase_s[name] = stalls.phase_s.get(name, 0.0) + seconds
+    return timed_into(add)
+
+
+def _add_policy_time(self, seconds: float) -> None:
+    self.stalls.policy_s += seconds
+
+
+# The width policy's own share of the steps, in ``self.stalls.policy_s`` (its calls run in the
+# worker call and, learning, in the scheduler's gap).
+policy_time = timed_into(_add_policy_time)
