@@ -129,6 +129,7 @@ class SGLangRelease:
     def __init__(self, version: str):
         self.version = version
         self.key = version_key(version)
+        self._track_interval = None  # the scheduler's track grid, fixed once the server runs
 
     def has(self, change: str) -> bool:
         return self.key >= version_key(CHANGES[change])
@@ -243,7 +244,13 @@ class SGLangRelease:
         return getattr(draft_input, self.reserved_lens_field, None)
 
     def mamba_track_interval(self, batch) -> int:
-        """The grid on which the scheduler marks recurrent-state checkpoints."""
+        """The grid on which the scheduler marks recurrent-state checkpoints; read once (a
+        width-1 step, which asks each time, is host-bound)."""
+        if self._track_interval is None:
+            self._track_interval = self._read_track_interval(batch)
+        return self._track_interval
+
+    def _read_track_interval(self, batch) -> int:
         if self.has("mamba_track_grid"):
             from sglang.srt.runtime_context import mamba_track_grid
 

@@ -114,6 +114,18 @@ def mamba_track_steps(seq_lens: torch.Tensor, commit_len: torch.Tensor, interval
     return torch.where(crossed, boundary - seq_lens - 1, torch.full_like(boundary, -1))
 
 
+def decode_may_reach_track(committed_cpu: torch.Tensor, interval: int, block_size: int) -> bool:
+    """Whether a width-1 DECODE may bring some request to a track boundary, read on the host.
+
+    The host's committed lengths lag the device's by at most one step of at most ``block_size``
+    tokens; SGLang's lazy track plan allows twice that (``mamba_lazy_spec_in_window``), and so do
+    we. The decoded length then lies in ``[committed + 1, committed + 2B + 1]``; a boundary is a
+    multiple of ``interval``.
+    """
+    committed = committed_cpu.to(torch.int64)
+    return bool(((committed + 2 * block_size + 1) // interval > committed // interval).any())
+
+
 class DFlashWorker(DraftContext, BaseSpecWorker):
     """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
 
@@ -689,9 +701,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         graphs or eagerly, as for a plain decode step: planned here too, the graph replay would
         copy its inputs a second time."""
         saved = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info
-        if self.hybrid:  # the track slots as the scheduler holds them now, and no tracking inside the forward
-            prepare_mamba_track_for_verify(batch)
-            batch.mamba_track_mask = None
+        if self.hybrid:  # no tracking inside the forward; the track slots only where a boundary is near
+            self.prepare_decode_track(batch)
         batch.input_ids, batch.forward_mode, batch.spec_info = block.candidates[:, 0], ForwardMode.DECODE, None
         batch.out_cache_loc = block.cache_loc.view(-1)
         batch.seq_lens = batch.seq_lens + 1
@@ -703,6 +714,21 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         out = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
         wrote = self.graphs_wrote_context(mr.decode_cuda_graph_runner, out.can_run_cuda_graph)
         return out.logits_output, out.can_run_cuda_graph, wrote
+
+    def prepare_decode_track(self, batch) -> None:
+        """Before a hybrid width-1 DECODE: the track slots as the scheduler holds them now, where
+        some request may reach a track boundary (:func:`decode_may_reach_track`), else none at all,
+        so that :meth:`track_decoded_state` launches nothing: on most steps neither the slots'
+        rebuild nor the copy runs, a width-1 step being host-bound. Either way the extend-time
+        track fields are cleared. A lazy track plan or no host lengths: the slots every step."""
+        lazy_plan = getattr(batch, "mamba_lazy_spec_track_positions_cpu", None) is not None
+        if lazy_plan or batch.seq_lens_cpu is None or decode_may_reach_track(
+                batch.seq_lens_cpu, self.release.mamba_track_interval(batch), self.block_size):
+            prepare_mamba_track_for_verify(batch)
+        else:
+            batch.mamba_track_indices = None
+            batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = None
+        batch.mamba_track_mask = None
 
     def graphs_wrote_context(self, runner, ran_graph: bool) -> bool:
         """Whether the target forward that just ran wrote the draft context (:class:`ContextInVerifyGraph`)."""

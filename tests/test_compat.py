@@ -71,6 +71,13 @@ def test_the_verify_refreshes_the_track_slots_itself_where_the_worker_leaves_it_
     assert refreshes == release.has("verify_prepares_mamba_track"), release.version
 
 
+def test_the_track_grid_is_read_once_per_server(monkeypatch):
+    """A width-1 step asks for the track grid every time; SGLang is asked once."""
+    release, reads = compat.SGLangRelease("0.5.23"), []
+    monkeypatch.setattr(release, "_read_track_interval", lambda batch: reads.append(batch) or 256)
+    assert [release.mamba_track_interval(b) for b in ("first", "second")] == [256, 256] and reads == ["first"]
+
+
 def test_the_installed_release_has_every_symbol_in_its_source():
     release = compat.running()
     assert release.supported, release.version

@@ -1048,6 +1048,56 @@ def test_a_hybrid_width_one_decode_commits_nothing_and_tracks_the_live_state_at_
         assert seen == [("commit", 1)]
 
 
+def test_a_decode_may_reach_a_track_boundary_exactly_where_one_lies_within_two_blocks_of_the_host_length():
+    """The host check against every decoded length the device may hold (committed, up to two
+    steps of B behind): true exactly where one of them is a multiple of the interval."""
+    from sglang_dflash.worker import decode_may_reach_track
+
+    for interval, block in ((256, 16), (64, 8), (32, 16), (16, 1)):
+        for committed in range(0, 3 * interval):
+            lengths = range(committed + 1, committed + 2 * block + 2)
+            expected = any(length % interval == 0 for length in lengths)
+            assert decode_may_reach_track(torch.tensor([committed]), interval, block) == expected
+            assert decode_may_reach_track(torch.tensor([interval + 1, committed], dtype=torch.int32),
+                                          interval, block) == (expected or 2 * block + 2 >= interval)
+
+
+@pytest.mark.parametrize("case", ["far", "near", "lazy plan", "no host lengths"])
+def test_a_hybrid_width_one_decode_far_from_every_track_boundary_neither_rebuilds_nor_copies_track_slots(
+        monkeypatch, case):
+    """A width-1 step is host-bound: where no request's token can reach a track boundary (lengths
+    5 and 9, block 8, interval 64), the track slots are not rebuilt and no copy is launched; the
+    extend-time track fields are cleared all the same, so nothing tracks inside the forward. Near
+    one (interval 16), with a lazy track plan on the batch, or without host lengths, both run."""
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.worker import DFlashWorker
+
+    worker, batch, log, (backend, _), _ = whole_step_worker(monkeypatch, "graph", True)
+    seen = []
+
+    def prepare_track(b):
+        seen.append("prepare")
+        b.mamba_track_indices, b.mamba_track_mask = torch.tensor([3, 4]), None
+
+    monkeypatch.setattr(worker_mod, "prepare_mamba_track_for_verify", prepare_track)
+    worker.hybrid, worker.width_pairs[1] = True, (backend, worker.width_pairs[1][1])
+    worker.release = SimpleNamespace(
+        has=lambda change: True, mamba_track_interval=lambda b: 16 if case == "near" else 64,
+        track_decoded_state=lambda on, mask, track: seen.append("track"), reserved_seq_lens_cpu=lambda spec: None)
+    batch.mamba_track_mask, batch.mamba_track_indices = torch.tensor([True, True]), torch.tensor([3, 4])
+    batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = [128, 128]
+    batch.mamba_lazy_spec_track_positions_cpu = [0, 1] if case == "lazy plan" else None
+    if case == "no host lengths":
+        batch.seq_lens_cpu = None
+    result = DFlashWorker.forward_batch_generation(worker, batch)
+    assert result.new_seq_lens.tolist() == [6, 10] and batch.mamba_track_mask is None
+    if case == "far":
+        assert seen == [] and batch.mamba_track_indices is None
+        assert batch.mamba_track_seqlens is batch.mamba_prefill_track_mask_cpu is batch.mamba_track_seqlens_cpu is None
+    else:
+        assert seen == ["prepare", "track"]
+
+
 def test_the_targets_verify_and_width_one_decode_graphs_write_the_draft_context_of_every_row():
     """The capture-tail hook writes the tapped hidden states of every row at its position and
     slot, in the target's TARGET_VERIFY graphs and its DECODE graphs (width 1) but not in the
