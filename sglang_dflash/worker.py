@@ -454,7 +454,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
         if batch.return_logprob:
             self.release.fill_logprobs(batch, logits_output, accepted.out_tokens, width)
-        if self.hybrid and width == 1 and self.width_one_decodes:
+        if self.hybrid and self.decodes_at(width):
             self.track_decoded_state(batch)
         elif self.hybrid:
             self.commit_recurrent_state(batch, accepted, width)
@@ -624,9 +624,13 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if width == self.block_size:
             return self._verify(batch, block)
         with self.target_at_width(width):
-            if width == 1 and self.width_one_decodes:
+            if self.decodes_at(width):
                 return self.decode_step(batch, block)
             return self._verify(batch, block)
+
+    def decodes_at(self, width: int) -> bool:
+        """Whether a step of ``width`` runs as a plain DECODE (width 1 where the backends allow)."""
+        return width == 1 and self.width_one_decodes
 
     @contextlib.contextmanager
     def target_at_width(self, width: int):

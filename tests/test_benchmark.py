@@ -1210,3 +1210,15 @@ def test_plain_decodings_ledger_is_read_as_the_plugins_calls_by_mode(monkeypatch
     assert sweep.host_pauses("u") == {k: ledger[k] for k in ("stalls", "stall_ms", "recent", "decode_host", "by_mode")}
     monkeypatch.setattr(sweep, "server_info", lambda url: {"max_total_num_tokens": 9})
     assert sweep.host_pauses("u") is None
+
+
+def test_the_reports_host_time_columns_are_the_parts_the_worker_times():
+    """report.md's "Host time per decode step" has a column per named part of the worker's step:
+    a part renamed or added in the worker (``host_phase``) without the report would go unseen."""
+    from sglang_dflash.bench.report import HOST_PHASES
+
+    named = set()
+    for path in glob.glob(os.path.join(os.path.dirname(__file__), "..", "sglang_dflash", "*.py")):
+        with open(path) as f:
+            named |= set(re.findall(r'@host_phase\("(\w+)"\)', f.read()))
+    assert named == set(HOST_PHASES) and len(HOST_PHASES) == len(set(HOST_PHASES))
