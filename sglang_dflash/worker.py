@@ -547,22 +547,28 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         B) verify candidates. Width 1 is a plain decode step: the bonus alone, no draft pass."""
         bs, B = len(batch.seq_lens), self.block_size
         width = width or B
-        block_ids, positions, cache_loc = bufs["block_ids"], bufs["positions"], bufs["cache_loc"]
-        prepare_block(
-            batch.spec_info.bonus_tokens, batch.seq_lens, batch.req_pool_indices,
-            self.model_runner.req_to_token_pool.req_to_token, self.mask_token_id, block_ids, positions, cache_loc,
-        )
         seq_lens_cpu = self._host_seq_lens_bound(batch)
         candidates = bufs["candidates"]
+        if width == 1:  # one position: written straight into the dense rows the step reads (no copies)
+            positions, cache_loc = bufs["positions"].view(-1)[:bs], bufs["cache_loc"].view(-1)[:bs].view(bs, 1)
+            self._prepare_block(batch, candidates, positions.view(bs, 1), cache_loc)
+            return DraftBlock(candidates, positions, cache_loc, seq_lens_cpu)
+        block_ids, positions, cache_loc = bufs["block_ids"], bufs["positions"], bufs["cache_loc"]
+        self._prepare_block(batch, block_ids, positions, cache_loc)
         candidates[:, :1].copy_(block_ids[:, :1])
-        if width == 1:
-            return DraftBlock(candidates, positions[:, :1].reshape(-1), cache_loc[:, :1].contiguous(), seq_lens_cpu)
         drafts = self.run_draft(batch, block_ids, positions, cache_loc, seq_lens_cpu)
         candidates[:, 1:].copy_(drafts.view(bs, B - 1)[:, : width - 1])
         if width < B:
             return DraftBlock(candidates, positions[:, :width].reshape(-1), cache_loc[:, :width].contiguous(),
                               seq_lens_cpu)
         return DraftBlock(candidates, positions.view(-1), cache_loc, seq_lens_cpu)
+
+    def _prepare_block(self, batch, block_ids, positions, cache_loc) -> None:
+        """``[bonus, mask...]``, their positions and KV slots, as wide as ``block_ids``."""
+        prepare_block(
+            batch.spec_info.bonus_tokens, batch.seq_lens, batch.req_pool_indices,
+            self.model_runner.req_to_token_pool.req_to_token, self.mask_token_id, block_ids, positions, cache_loc,
+        )
 
     def run_draft(self, batch, block_ids, positions, cache_loc, seq_lens_cpu) -> torch.Tensor:
         """The draft network over the whole block; its greedy tokens for the B-1 mask positions."""

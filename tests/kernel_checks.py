@@ -36,7 +36,7 @@ def check_accept(cand: torch.Tensor, tgt: torch.Tensor, pre: torch.Tensor, devic
 def check_block_kernels(device: str) -> None:
     """prepare_block and accept_block against reference.accept_block and the request table."""
     g = torch.Generator().manual_seed(0)
-    for B in (4, 8, 16):
+    for B in (1, 4, 8, 16):  # 1: a width-1 step's block, its one position
         bs = 9
         cand, tgt = (torch.randint(0, 3, (bs, B), generator=g) for _ in range(2))
         check_accept(cand, tgt, torch.randint(0, 100, (bs,), generator=g), device)
