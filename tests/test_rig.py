@@ -435,3 +435,17 @@ def test_a_hybrid_rig_sizes_each_servers_state_pool_for_the_top_level(monkeypatc
     assert sweep.hybrid_state(dense, "ar", None, sweep.server_flags(dense)) == ([], 0)
     spec = ServerSpec("plugin", "t", "d", None, state_bytes=spec)
     assert sweep.server_bytes(spec, 2.0) == sweep.weights_bytes(spec) + (2 << 30) + spec.state_bytes
+
+
+def test_fp8_servers_are_sized_by_their_quantized_weights(tmp_path):
+    """Under --quantization fp8 the linears load at one byte: sizing by the bf16 files would give the
+    first of two servers the second's room."""
+    target, draft = rig.write_rig(str(tmp_path / "rig"), "qwen3.5-4b")
+    bf16 = ServerSpec("plugin", target, draft, None)
+    fp8 = ServerSpec("plugin", target, draft, None, ["--log-level", "warning", "--quantization", "fp8"])
+    plain = ServerSpec("ar", target, draft, None, ["--quantization", "fp8"])
+    expected = rig.rig_hybrid.fp8_bytes(rig.read_shapes(target)) + rig.rig_hybrid.fp8_bytes(rig.read_shapes(draft))
+    assert sweep.weights_bytes(fp8) == expected
+    assert 0.5 * sweep.weights_bytes(bf16) < expected < 0.75 * sweep.weights_bytes(bf16)
+    assert sweep.weights_bytes(plain) == rig.rig_hybrid.fp8_bytes(rig.read_shapes(target))
+    assert sweep.weights_bytes(ServerSpec("plugin", target, draft, None, ["--quantization"])) == sweep.weights_bytes(bf16)

@@ -605,10 +605,20 @@ def start_or_report(server: Server, started: list, failures: list, launch: bool 
 
 
 def weights_bytes(spec: ServerSpec) -> int:
-    weights = checkpoint_bytes(spec.model_path)
-    if spec.impl in DFLASH_IMPLS:
-        weights += checkpoint_bytes(spec.draft_model_path)
-    return weights
+    """What the server's checkpoints take on the GPU. Under ``--quantization fp8`` (which the draft
+    follows unless told otherwise) the linears load at one byte, so a bf16 checkpoint's file size
+    would size the first of two servers to crowd out the second."""
+    args = list(spec.extra_args)
+    fp8 = "--quantization" in args and args[args.index("--quantization") + 1:][:1] == ["fp8"]
+    paths = [spec.model_path] + ([spec.draft_model_path] if spec.impl in DFLASH_IMPLS else [])
+    return sum(quantized_bytes(p) if fp8 else checkpoint_bytes(p) for p in paths)
+
+
+def quantized_bytes(path: Optional[str]) -> int:
+    """A checkpoint's weights under ``--quantization fp8`` (estimated from its safetensors headers;
+    its file size where it has none)."""
+    shapes = rig.read_shapes(path) if path and os.path.isdir(path) else {}
+    return rig.rig_hybrid.fp8_bytes(shapes) if shapes else checkpoint_bytes(path)
 
 
 def pool_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
