@@ -31,7 +31,7 @@ RUNS = {  # name: (rig shape, the card's flags)
     "27b-card": ("qwen3.5-27b", CARD_COMMANDS["27b"]),
     "35b-card": ("qwen3.6-35b-a3b", CARD_COMMANDS["27b"]),
 }
-MAPPED = re.compile(r"sglang-dflash: --[\w-]+ is .*")
+MAPPED = re.compile(r"sglang-dflash: --[\w-]+ (?:\S+ )?is .*; using .*")
 
 
 def card_spec(name: str, rig_dir: str) -> ServerSpec:

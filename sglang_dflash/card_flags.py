@@ -18,7 +18,8 @@ card flag                                  0.5.17-0.5.23
 ``--linear-attn-{prefill,decode}-backend`` exist, ``flashinfer`` a choice; needs FlashInfer's GDN kernels
 ``flashinfer``                             (an H200 build without them failed for plain decoding too)
 ``--cuda-graph-backend-prefill``           ``tc_piecewise`` a choice to 0.5.21; 0.5.22 removed it (SGLang:
-``tc_piecewise``                           "tc_piecewise was removed; select breakable, full, or disabled")
+``tc_piecewise``                           "tc_piecewise was removed; select breakable, full, or disabled",
+                                           after its whole usage): ``breakable``, the default, mapped here
 ``--enable-flashinfer-allreduce-fusion``   exists, deprecated for ``--flashinfer-allreduce-fusion-backend
                                            auto`` (mapped here once a release drops it)
 ``--cuda-graph-max-bs-decode``,            exist
@@ -26,7 +27,8 @@ card flag                                  0.5.17-0.5.23
 fraction-static``, ``--tp-size``
 =========================================  ===============================================================
 
-A card flag the running release lacks is rewritten to the release's name, with one log line, only
+A card value the release's parser refuses (``RETIRED_VALUES``) becomes the choice that replaced it,
+with one log line. A card flag the running release lacks is rewritten to the release's name, with one log line, only
 where the release lacks the card's name and has the other one, read from the release's own parser:
 a release that takes the card's name again keeps it. A card flag the release lacks with no
 replacement stops the start in one line. Any other flag is SGLang's: an unknown one gets argparse's
@@ -54,6 +56,11 @@ RENAMED = {
     "--speculative-dflash-draft-window-size": ("--speculative-draft-window-size",),
     # A switch that became a setting (deprecated on 0.5.17-0.5.23, so not mapped there yet).
     "--enable-flashinfer-allreduce-fusion": ("--flashinfer-allreduce-fusion-backend", "auto"),
+}
+# Card values a release may refuse -> the release's own choice that does what the card meant.
+RETIRED_VALUES = {
+    # 0.5.22 replaced torch.compile's piecewise prefill graphs by breakable ones, its CUDA default.
+    ("--cuda-graph-backend-prefill", "tc_piecewise"): "breakable",
 }
 # Every flag the cards' SGLang commands use.
 CARD_FLAGS = (
@@ -96,13 +103,17 @@ def _flag_of(token: str) -> Optional[str]:
     return token.split("=", 1)[0]
 
 
-def rewrite(argv: Iterable[str], accepts: Callable[[str], bool], version: str) -> tuple[list[str], list[str]]:
-    """``argv`` with each card flag the release lacks under its name on this release.
+def rewrite(argv: Iterable[str], accepts: Callable[[str], bool], version: str,
+            refuses: Callable[[str, str], bool] = lambda flag, value: False) -> tuple[list[str], list[str]]:
+    """``argv`` with each card flag the release lacks under its name on this release, and each card
+    value it no longer takes as the choice that replaced it.
 
-    ``accepts(flag)`` says whether the release's parser takes ``flag``. Returns the new argv and
-    one log line per flag mapped. ``--flag value`` and ``--flag=value`` are both kept as spelled.
-    Raises :class:`CardFlagError` for a card flag the release has under no name."""
-    out, notes, seen = [], [], set()
+    ``accepts(flag)`` says whether the release's parser takes ``flag``, ``refuses(flag, value)``
+    whether it refuses that value. Returns the new argv and one log line per flag or value mapped.
+    ``--flag value`` and ``--flag=value`` are both kept as spelled. Raises :class:`CardFlagError`
+    for a card flag the release has under no name."""
+    argv, notes = _retired_values(list(argv), refuses, version)
+    out, seen = [], set()
     for token in argv:
         flag = _flag_of(token)
         if flag not in CARD_FLAGS or accepts(flag):
@@ -120,6 +131,22 @@ def rewrite(argv: Iterable[str], accepts: Callable[[str], bool], version: str) -
         if flag not in seen:
             seen.add(flag)
             notes.append(f"{PREFIX}{flag} is {' '.join(other)} on SGLang {version}; using it")
+    return out, notes
+
+
+def _retired_values(argv: list[str], refuses: Callable[[str, str], bool], version: str) -> tuple[list[str], list[str]]:
+    out, notes = [], []
+    for i, token in enumerate(argv):
+        flag, eq, value = token.partition("=")
+        spaced = not eq and i > 0 and (argv[i - 1], token) in RETIRED_VALUES
+        key = (argv[i - 1], token) if spaced else (flag, value)
+        if (spaced or eq) and key in RETIRED_VALUES and refuses(*key):
+            choice = RETIRED_VALUES[key]
+            out.append(choice if spaced else f"{flag}={choice}")
+            notes.append(f"{PREFIX}{key[0]} {key[1]} is not a choice on SGLang {version}; using {choice}, "
+                         "what replaced it")
+        else:
+            out.append(token)
     return out, notes
 
 

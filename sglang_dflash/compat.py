@@ -208,6 +208,24 @@ class SGLangRelease:
         ServerArgs.add_cli_args(parser)
         return frozenset(s for action in parser._actions for s in action.option_strings)
 
+    def cli_refuses(self, flag: str, value: str) -> bool:
+        """Whether the launcher's parser on this release rejects ``flag value`` (a choice it lacks,
+        or a value its type check turns away); False for a flag it does not take at all."""
+        import argparse
+
+        from sglang.srt.server_args import ServerArgs
+
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        action = next((a for a in parser._actions if flag in a.option_strings), None)
+        if action is None:
+            return False
+        try:
+            typed = action.type(value) if callable(action.type) else value
+        except (argparse.ArgumentTypeError, TypeError, ValueError):
+            return True
+        return action.choices is not None and typed not in action.choices
+
     def pd_role(self, args) -> Optional[str]:
         """``prefill`` or ``decode`` on a PD-disaggregated server, else None. No release has the
         plugin serving it yet: the decode role's first draft input is built by SGLang for its own

@@ -119,7 +119,7 @@ def card_flags_hook(original, argv, *args, **kwargs):
 
     if isinstance(argv, (list, tuple)) and mentions_card_flag(argv):
         release = _release()
-        argv, notes = rewrite(argv, release.cli_options().__contains__, release.version)
+        argv, notes = rewrite(argv, release.cli_options().__contains__, release.version, release.cli_refuses)
         for note in notes:
             # A warning: SGLang sets up logging only after parsing, and a start that then fails
             # should still show it.

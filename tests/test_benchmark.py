@@ -772,6 +772,16 @@ def test_a_server_that_cannot_start_is_reported_with_sglangs_reason_in_one_line(
     assert server_mod.startup_reason("all well\n") == ""
 
 
+def test_a_start_the_plugin_refused_is_reported_by_its_own_line():
+    """The plugin's refusal is a bare line before SGLang kills the tree; argparse's is an error line."""
+    refused = ("[2026-12-03 23:56:51] sglang-dflash: --mamba-scheduler-strategy is --mamba-radix-cache-strategy\n"
+               "sglang-dflash: --attention-backend: trtllm_mha runs on Blackwell GPUs, this GPU is 9.0\n"
+               "[2026-12-03 23:56:51] kill_process_tree called: parent_pid=693\n")
+    assert server_mod.startup_reason(refused) == "sglang-dflash: --attention-backend: trtllm_mha runs on Blackwell GPUs, this GPU is 9.0"
+    usage = "usage: sglang serve [-h]\n  [--config CONFIG]\nsglang serve: error: unrecognized arguments: --x 1\n"
+    assert server_mod.startup_reason(usage) == "sglang serve: error: unrecognized arguments: --x 1"
+
+
 def test_memory_fraction_leaves_the_asked_kv_after_the_weights():
     gib = 1 << 30
     fraction = server_mod.memory_fraction(int(18.5e9), 80 * gib, 4 * gib)

@@ -141,17 +141,35 @@ def test_the_cards_hopper_commands_parse_on_this_release(card, impl):
     assert [line[line.index("sglang-dflash"):] for line in mapping_lines(out.stderr)] == expected, out.stderr[-3000:]
 
 
-def test_the_4b_cards_blackwell_command_parses_where_tc_piecewise_exists_else_one_sglang_line():
+def test_the_4b_cards_blackwell_command_parses_on_every_release():
     """The B200 line as published: trtllm_mha and fa4 parse everywhere (on Hopper the plugin then
-    refuses them in one line, test_integration); 0.5.22 removed tc_piecewise."""
+    refuses them in one line, test_integration). 0.5.22 removed tc_piecewise, whose refusal SGLang
+    prints after its whole usage: there the plugin takes breakable, the release's default, and says so."""
     out, args = launch(CARD_COMMANDS["4b"])
     assert "Traceback" not in out.stderr
-    if not RELEASE.has("tc_piecewise_removed"):
-        assert out.returncode == 0 and args["cuda_graph_backend_prefill"] == "tc_piecewise", out.stderr[-3000:]
-        return
-    assert out.returncode == 2 and args is None
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("sglang serve: error: argument --cuda-graph-backend-prefill:") and "tc_piecewise" in last
+    assert out.returncode == 0 and args is not None, out.stderr[-3000:]
+    removed = RELEASE.has("tc_piecewise_removed")
+    assert args["cuda_graph_backend_prefill"] == ("breakable" if removed else "tc_piecewise")
+    said = [line[line.index("sglang-dflash"):] for line in out.stderr.splitlines() if "is not a choice" in line]
+    assert said == ([f"sglang-dflash: --cuda-graph-backend-prefill tc_piecewise is not a choice on SGLang "
+                     f"{RELEASE.version}; using breakable, what replaced it"] if removed else [])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--cuda-graph-backend-prefill", "tc_piecewise", "--tp-size", "1"],
+     ["--cuda-graph-backend-prefill", "breakable", "--tp-size", "1"]),
+    (["--cuda-graph-backend-prefill=tc_piecewise"], ["--cuda-graph-backend-prefill=breakable"]),
+])
+def test_a_card_value_the_release_refuses_becomes_what_replaced_it(argv, expected):
+    refuses = lambda flag, value: (flag, value) == ("--cuda-graph-backend-prefill", "tc_piecewise")
+    out, notes = rewrite(argv, release_without(), "0.5.23", refuses)
+    assert out == expected
+    assert notes == ["sglang-dflash: --cuda-graph-backend-prefill tc_piecewise is not a choice on SGLang 0.5.23; "
+                     "using breakable, what replaced it"]
+    assert rewrite(argv, release_without(), "0.5.17") == (argv, [])  # a release that takes it keeps it
+    # The value alone, or after another flag, is not the card's.
+    kept = ["--attention-backend", "tc_piecewise", "--cuda-graph-backend-prefill", "full"]
+    assert rewrite(kept, release_without(), "0.5.23", lambda f, v: True) == (kept, [])
 
 
 def test_a_flag_no_release_has_is_sglangs_one_error_line_without_a_traceback():

@@ -172,10 +172,14 @@ class ServerError(RuntimeError):
 
 
 def startup_reason(log_tail: str) -> str:
-    """SGLang's own reason a server died, in one line: the last exception line of its log."""
+    """Why a server died, in one line: the plugin's own refusal (a bare ``sglang-dflash:`` line), else
+    the last exception line of its log, else argparse's ``error:`` line."""
     lines = [line.strip() for line in log_tail.splitlines()]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
-    return errors[-1] if errors else ""
+    for pattern in (r"^sglang-dflash: ", r"^[\w.]*(Error|Exception)\b.*:", r"^[\w. -]+: error: "):
+        found = [line for line in lines if re.match(pattern, line)]
+        if found:
+            return found[-1]
+    return ""
 
 
 def prefill_graph_flags(mode: str, name: str = "prefill graphs") -> list[str]:
