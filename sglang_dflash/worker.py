@@ -184,6 +184,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         self.decode_steps, self.eager_drafts = 0, 0
         self.prefills, self.prefills_in_graphs = 0, 0  # target prefills, and those SGLang replayed from its graphs
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
+        self.decode_track: Counter = Counter()  # hybrid width-1 DECODEs: track slots "prepared" or "skipped"
         self.context_in_graph: Optional[ContextInVerifyGraph] = None
         if context_in_verify_graph():
             # Registered before the scheduler captures the target's graphs (it does so first).
@@ -379,6 +380,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                 "block_attention": BLOCK_ROUTE.report(), "host_lengths": self.host_lengths_copied(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         info["draft_kv"] = self.draft_kv_report()
+        if self.hybrid:
+            info["decode_track"] = dict(self.decode_track)
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
         if self.draft_head is not None and self.draft_head.rows_read is not None:
@@ -735,7 +738,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if lazy_plan or batch.seq_lens_cpu is None or decode_may_reach_track(
                 batch.seq_lens_cpu, self.release.mamba_track_interval(batch), self.block_size):
             prepare_mamba_track_for_verify(batch)
+            self.decode_track["prepared"] += 1
         else:
+            self.decode_track["skipped"] += 1
             batch.mamba_track_indices = None
             batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = None
         batch.mamba_track_mask = None

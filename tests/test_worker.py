@@ -658,6 +658,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.width_policy, worker.fallback = CyclingWidths(worker.widths), None
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     worker.prefills, worker.prefills_in_graphs = 3, 2
+    worker.hybrid, worker.decode_track = True, Counter(skipped=5, prepared=1)
     worker.pauses = process_pauses()
     worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
     worker.half_logits = SimpleNamespace(verifies=7)
@@ -689,12 +690,14 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
-                               "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7}
+                               "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7,
+                               "decode_track": {"skipped": 5, "prepared": 1}}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
+    assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1}
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
@@ -973,6 +976,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
     worker.hybrid, worker.device, worker.buffers = False, "cpu", StepBuffers(8, "cpu")
     worker.width_policy = SimpleNamespace(choose=lambda bs, timed=True: 1, sleeping=lambda bs: None)
     worker.eager_verifies, worker.steps_in_flight, worker.decode_steps = Counter(), deque(), 0
+    worker.decode_track = Counter()
     worker.output_counts = SimpleNamespace(batch_rows=lambda reqs: None)
     worker.time_step = lambda width, bs, request_widths=None, stream=None: None
     worker.clock = StepClock()  # no decode step before: this one is not timed
@@ -1091,6 +1095,7 @@ def test_a_hybrid_width_one_decode_far_from_every_track_boundary_neither_rebuild
         batch.seq_lens_cpu = None
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.new_seq_lens.tolist() == [6, 10] and batch.mamba_track_mask is None
+    assert worker.decode_track == {"skipped" if case == "far" else "prepared": 1}
     if case == "far":
         assert seen == [] and batch.mamba_track_indices is None
         assert batch.mamba_track_seqlens is batch.mamba_prefill_track_mask_cpu is batch.mamba_track_seqlens_cpu is None
@@ -1476,6 +1481,7 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
     worker.widths, worker.pauses = (16, 4, 1), process_pauses()
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter(), 3, 0
     worker.prefills = worker.prefills_in_graphs = 0
+    worker.hybrid = False  # a dense target reports no track slots
     worker.window = DraftRing(64, 16, SimpleNamespace(size=7), "cpu")
     worker.draft_model_runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(size=8 * 80))
     batch = SimpleNamespace(reqs=[SimpleNamespace(rid=r) for r in "abc"])
