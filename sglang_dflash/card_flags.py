@@ -27,12 +27,13 @@ card flag                                  0.5.17-0.5.23
 fraction-static``, ``--tp-size``
 =========================================  ===============================================================
 
-A card value the release's parser refuses (``RETIRED_VALUES``) becomes the choice that replaced it,
-with one log line. A card flag the running release lacks is rewritten to the release's name, with one log line, only
+A card flag the running release lacks is rewritten to the release's name, with one log line, only
 where the release lacks the card's name and has the other one, read from the release's own parser:
 a release that takes the card's name again keeps it. A card flag the release lacks with no
-replacement stops the start in one line. Any other flag is SGLang's: an unknown one gets argparse's
-usage and ``error: unrecognized arguments`` (exit 2), no traceback, on 0.5.17 and 0.5.23.
+replacement stops the start in one line. A card value the release's parser refuses
+(``RETIRED_VALUES``) becomes the choice that replaced it, with one log line. Any other flag is
+SGLang's: an unknown one gets argparse's usage and ``error: unrecognized arguments`` (exit 2), no
+traceback, on 0.5.17 and 0.5.23.
 
 Hopper (H100/H200) versions of the cards' commands on 0.5.23 (:data:`HOPPER_COMMANDS`): fa3 for
 trtllm_mha and fa4, the linear-attention backends left at SGLang's default (triton), and no

@@ -123,6 +123,18 @@ class Symbol:
         return f"{self.module}.{self.qualname}{shown}"
 
 
+@lru_cache(maxsize=None)
+def _launcher_parser():
+    """The launcher's argument parser on the installed release (built once: ~30 ms)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
 class SGLangRelease:
     """The SGLang release this process runs, and how the plugin talks to it."""
 
@@ -200,24 +212,14 @@ class SGLangRelease:
 
     def cli_options(self) -> frozenset[str]:
         """Every option string the launcher's parser takes on this release."""
-        import argparse
-
-        from sglang.srt.server_args import ServerArgs
-
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        return frozenset(s for action in parser._actions for s in action.option_strings)
+        return frozenset(s for action in _launcher_parser()._actions for s in action.option_strings)
 
     def cli_refuses(self, flag: str, value: str) -> bool:
         """Whether the launcher's parser on this release rejects ``flag value`` (a choice it lacks,
         or a value its type check turns away); False for a flag it does not take at all."""
         import argparse
 
-        from sglang.srt.server_args import ServerArgs
-
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        action = next((a for a in parser._actions if flag in a.option_strings), None)
+        action = next((a for a in _launcher_parser()._actions if flag in a.option_strings), None)
         if action is None:
             return False
         try:

@@ -92,6 +92,12 @@ def test_the_release_facts_match_the_installed_parser():
     assert all((old in options) != MAPPED for old in OLD_NAMES)
     assert all(RENAMED[old][0] in options for old in OLD_NAMES)
     assert set(card_flags.CARD_FLAGS) - OLD_NAMES <= options  # every other card flag exists on 0.5.17-0.5.23
+    removed = RELEASE.has("tc_piecewise_removed")
+    assert RELEASE.cli_refuses("--cuda-graph-backend-prefill", "tc_piecewise") is removed
+    for (flag, _), choice in card_flags.RETIRED_VALUES.items():
+        assert RELEASE.cli_refuses(flag, choice) is False
+    assert RELEASE.cli_refuses("--attention-backend", "no-such-backend") is True
+    assert RELEASE.cli_refuses("--no-such-flag", "x") is False
 
 
 ARGS = ("mamba_radix_cache_strategy", "speculative_draft_window_size", "speculative_dflash_block_size",
