@@ -139,11 +139,10 @@ def _retired_values(argv: list[str], refuses: Callable[[str, str], bool], versio
     out, notes = [], []
     for i, token in enumerate(argv):
         flag, eq, value = token.partition("=")
-        spaced = not eq and i > 0 and (argv[i - 1], token) in RETIRED_VALUES
-        key = (argv[i - 1], token) if spaced else (flag, value)
-        if (spaced or eq) and key in RETIRED_VALUES and refuses(*key):
+        key = (flag, value) if eq else (argv[i - 1] if i else "", token)  # --flag=value, or --flag value
+        if key in RETIRED_VALUES and refuses(*key):
             choice = RETIRED_VALUES[key]
-            out.append(choice if spaced else f"{flag}={choice}")
+            out.append(f"{flag}={choice}" if eq else choice)
             notes.append(f"{PREFIX}{key[0]} {key[1]} is not a choice on SGLang {version}; using {choice}, "
                          "what replaced it")
         else:
