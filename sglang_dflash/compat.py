@@ -263,6 +263,13 @@ class SGLangRelease:
         """Host lengths the scheduler reserved for this step (committed + a block or more)."""
         return getattr(draft_input, self.reserved_lens_field, None)
 
+    def committed_lens_cpu(self, draft_input, bs: int):
+        """The committed lengths ``prepare_for_decode`` read on the host for this step (behind the
+        device's by at most one step), which it keeps on the draft input after the overlap
+        schedule's resolve drops ``seq_lens_cpu`` (backends that ask for no host lengths); or None."""
+        buf = getattr(draft_input, "_prepare_batch_seq_lens_cpu_buf", None)
+        return None if buf is None or buf.shape[0] < bs else buf[:bs]
+
     def mamba_track_interval(self, batch) -> int:
         """The grid on which the scheduler marks recurrent-state checkpoints; read once (a
         width-1 step, which asks each time, is host-bound)."""

@@ -176,6 +176,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             raise DFlashConfigError(RAGGED_ENV, "needs the per-request fallback (SGLANG_DFLASH_WIDTHS holding 1)")
         self.width_pairs: dict = {}  # width -> (target attention backend, graph runner); B's is the target's own
         self.width_one_decodes = False  # width 1 as a plain DECODE forward (compat.DECODE_AT_WIDTH_ONE)
+        self.width_one_step: Optional[str] = None  # on hybrid targets: how width 1 runs, and why
         # (width, bs, (start, end) events, (rids, per-request widths) or None) of the steps whose
         # accept lengths are due
         self.steps_in_flight: deque = deque()
@@ -354,8 +355,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if self.width_one_decodes and self.hybrid:
             why = self._hybrid_decode_unserved(mr.attn_backend)
             self.width_one_decodes = why is None
+            self.width_one_step = "a DECODE" if why is None else f"a 1-token verify ({why})"
             if get_parallel().tp_rank == 0:
-                logger.info("DFLASH width 1 on this hybrid target: %s", "a DECODE" if why is None else f"a 1-token verify ({why})")
+                logger.info("DFLASH width 1 on this hybrid target: %s", self.width_one_step)
         self.width_pairs.update(
             self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes,
                                              on_backend=route_block_attention))
@@ -382,6 +384,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         info["draft_kv"] = self.draft_kv_report()
         if self.hybrid:
             info["decode_track"] = dict(self.decode_track)
+            info["width_one_step"] = self.width_one_step
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
         if self.draft_head is not None and self.draft_head.rows_read is not None:
@@ -733,10 +736,15 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         some request may reach a track boundary (:func:`decode_may_reach_track`), else none at all,
         so that :meth:`track_decoded_state` launches nothing: on most steps neither the slots'
         rebuild nor the copy runs, a width-1 step being host-bound. Either way the extend-time
-        track fields are cleared. A lazy track plan or no host lengths: the slots every step."""
+        track fields are cleared. The host lengths are the batch's, or where the overlap schedule
+        dropped them (no backend asks for them) those the draft input reserved from; a lazy track
+        plan or no host lengths at all: the slots every step."""
         lazy_plan = getattr(batch, "mamba_lazy_spec_track_positions_cpu", None) is not None
-        if lazy_plan or batch.seq_lens_cpu is None or decode_may_reach_track(
-                batch.seq_lens_cpu, self.release.mamba_track_interval(batch), self.block_size):
+        committed = batch.seq_lens_cpu
+        if committed is None:
+            committed = self.release.committed_lens_cpu(batch.spec_info, len(batch.seq_lens))
+        if lazy_plan or committed is None or decode_may_reach_track(
+                committed, self.release.mamba_track_interval(batch), self.block_size):
             prepare_mamba_track_for_verify(batch)
             self.decode_track["prepared"] += 1
         else:

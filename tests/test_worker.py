@@ -659,6 +659,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     worker.prefills, worker.prefills_in_graphs = 3, 2
     worker.hybrid, worker.decode_track = True, Counter(skipped=5, prepared=1)
+    worker.width_one_step = "a DECODE"
     worker.pauses = process_pauses()
     worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
     worker.half_logits = SimpleNamespace(verifies=7)
@@ -691,13 +692,13 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
                                "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7,
-                               "decode_track": {"skipped": 5, "prepared": 1}}
+                               "decode_track": {"skipped": 5, "prepared": 1}, "width_one_step": "a DECODE"}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
-    assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1}
+    assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
@@ -1066,14 +1067,18 @@ def test_a_decode_may_reach_a_track_boundary_exactly_where_one_lies_within_two_b
                                           interval, block) == (expected or 2 * block + 2 >= interval)
 
 
-@pytest.mark.parametrize("case", ["far", "near", "lazy plan", "no host lengths"])
+@pytest.mark.parametrize("case", ["far", "far, lengths on the draft input", "near", "lazy plan", "no host lengths"])
 def test_a_hybrid_width_one_decode_far_from_every_track_boundary_neither_rebuilds_nor_copies_track_slots(
         monkeypatch, case):
     """A width-1 step is host-bound: where no request's token can reach a track boundary (lengths
     5 and 9, block 8, interval 64), the track slots are not rebuilt and no copy is launched; the
-    extend-time track fields are cleared all the same, so nothing tracks inside the forward. Near
-    one (interval 16), with a lazy track plan on the batch, or without host lengths, both run."""
+    extend-time track fields are cleared all the same, so nothing tracks inside the forward. The
+    host lengths are the batch's or, where the overlap schedule dropped those (backends asking for
+    none, as on the H200 rigs), the committed lengths the draft input read when it reserved the
+    step. Near one (interval 16), with a lazy track plan on the batch, or without any host
+    lengths, both run."""
     import sglang_dflash.worker as worker_mod
+    from sglang_dflash.compat import SGLangRelease
     from sglang_dflash.worker import DFlashWorker
 
     worker, batch, log, (backend, _), _ = whole_step_worker(monkeypatch, "graph", True)
@@ -1087,16 +1092,20 @@ def test_a_hybrid_width_one_decode_far_from_every_track_boundary_neither_rebuild
     worker.hybrid, worker.width_pairs[1] = True, (backend, worker.width_pairs[1][1])
     worker.release = SimpleNamespace(
         has=lambda change: True, mamba_track_interval=lambda b: 16 if case == "near" else 64,
-        track_decoded_state=lambda on, mask, track: seen.append("track"), reserved_seq_lens_cpu=lambda spec: None)
+        track_decoded_state=lambda on, mask, track: seen.append("track"), reserved_seq_lens_cpu=lambda spec: None,
+        committed_lens_cpu=lambda spec, bs: SGLangRelease.committed_lens_cpu(None, spec, bs))
     batch.mamba_track_mask, batch.mamba_track_indices = torch.tensor([True, True]), torch.tensor([3, 4])
     batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = [128, 128]
     batch.mamba_lazy_spec_track_positions_cpu = [0, 1] if case == "lazy plan" else None
-    if case == "no host lengths":
+    if case in ("no host lengths", "far, lengths on the draft input"):
         batch.seq_lens_cpu = None
+    if case == "far, lengths on the draft input":  # a buffer grown past the batch, as SGLang grows it
+        batch.spec_info._prepare_batch_seq_lens_cpu_buf = torch.tensor([5, 9, 250, 250])
+    far = case.startswith("far")
     result = DFlashWorker.forward_batch_generation(worker, batch)
     assert result.new_seq_lens.tolist() == [6, 10] and batch.mamba_track_mask is None
-    assert worker.decode_track == {"skipped" if case == "far" else "prepared": 1}
-    if case == "far":
+    assert worker.decode_track == {"skipped" if far else "prepared": 1}
+    if far:
         assert seen == [] and batch.mamba_track_indices is None
         assert batch.mamba_track_seqlens is batch.mamba_prefill_track_mask_cpu is batch.mamba_track_seqlens_cpu is None
     else:
