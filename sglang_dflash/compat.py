@@ -106,6 +106,7 @@ SOURCE = "sglang_dflash"  # the name our declarations carry in SGLang's resoluti
 DECODE_AT_WIDTH_ONE = ("TritonAttnBackend", "FlashAttentionBackend")
 
 
+@lru_cache(maxsize=None)  # SGLangRelease.has asks on every decode step
 def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
 
