@@ -2,13 +2,15 @@
 """Long prompts with the sliding-window draft (issue 78, item 6): 32k-token prompts through chunked
 prefill on the Qwen3.5-4B rig (zero weights: every draft accepted), the plugin with its draft K/V on
 every position, the plugin with the ring (``SGLANG_DFLASH_DRAFT_RING=1``), and the built-in, all
-with ``--speculative-draft-window-size W``; one server at a time, each warmed by one short request.
+with ``--speculative-draft-window-size W``; one server at a time, each warmed by a short request and a full-length one.
 
     python3 -m lab.long_context OUT [--impls plugin,plugin-ring,builtin] [--prompt-tokens 32768]
         [--concurrency 1,4] [--requests 4] [--window 4096] [--shape qwen3.5-4b] [--backend fa3]
 
-Per server and concurrency: each request's time to first token (the 32k prefill, chunked), its
-decode rate after it, and the level's output tokens a second; per server: the target's KV pool
+Per server and concurrency (the same prompts for every server, after one full-length warm-up
+request): each request's time to first token (the 32k prefill, chunked), its decode rate after it,
+the level's output tokens a second, and the plugin's decode steps, eager drafts and verifies and
+host time by part before and after the level; per server: the target's KV pool
 (``max_total_num_tokens``, which the ring enlarges by the draft rows it no longer keeps), the KV in
 use at the end of each level (under the ring the draft's stays within the window), and the plugin's
 ``dflash.draft_kv`` (layout, tokens, window, budget). Writes ``OUT/long_context.json`` as it goes.
@@ -54,13 +56,23 @@ def level(url: str, batch: list[list[int]], concurrency: int, max_new_tokens: in
     results, wall = run_requests(url, payloads, concurrency, desc=f"c{concurrency}")
     ok = [r for r in results if r.ok]
     ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
-    decode = [(r.completion_tokens - 1) / (r.latency - r.ttft) for r in ok
+    decode = [round((r.completion_tokens - 1) / (r.latency - r.ttft), 1) for r in ok
               if r.ttft is not None and r.completion_tokens > 1 and r.latency > r.ttft]
     return {"requests": len(results), "errors": [r.error for r in results if not r.ok][:3],
             "ttft_ms": [round(t, 1) for t in ttft], "ttft_ms_median": round(statistics.median(ttft), 1) if ttft else None,
-            "decode_tok_s_median": round(statistics.median(decode), 1) if decode else None,
+            "decode_tok_s": decode, "decode_tok_s_median": round(statistics.median(decode), 1) if decode else None,
             "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall, 1), "wall_s": round(wall, 2),
             "kv_in_use_after": kv_loads(url, flush=False).get("num_used_tokens")}
+
+
+def step_counts(url: str) -> dict:
+    """What tells a per-step decode cost from a per-request one: the plugin's decode steps, those
+    whose draft or verify ran outside CUDA graphs, and its host time by part; the built-in reports
+    none of these (an empty dict then)."""
+    info = server_info(url).get("dflash") or {}
+    host = (info.get("stalls") or {}).get("decode_host")
+    keep = {k: info[k] for k in ("decode_steps", "eager_drafts", "eager_verifies", "prefills", "widths_used") if k in info}
+    return {**keep, "decode_host": host} if host is not None else keep
 
 
 def main():
@@ -99,10 +111,16 @@ def main():
                 got["start_s"] = round(time.time() - started, 1)
                 generate_stream(s.url, {"input_ids": list(range(10, 522)),
                                         "sampling_params": {"max_new_tokens": 32, "temperature": 0}})
+                # one full-length request too, so that no kernel variant of the long lengths
+                # compiles inside a measured one
+                generate_stream(s.url, {"input_ids": prompts(1, args.prompt_tokens, vocab, seed=1)[0],
+                                        "sampling_params": {"max_new_tokens": 32, "temperature": 0}})
                 got["max_total_num_tokens"] = kv_loads(s.url, flush=False).get("max_total_num_tokens")
                 for j, c in enumerate(args.levels):
-                    batch = prompts(args.requests, args.prompt_tokens, vocab, seed=1000 * i + j)
+                    batch = prompts(args.requests, args.prompt_tokens, vocab, seed=1000 + j)  # alike for every server
+                    before = step_counts(s.url)
                     got["levels"][f"c{c}"] = level(s.url, batch, c, args.max_new_tokens)
+                    got["levels"][f"c{c}"]["server_before"], got["levels"][f"c{c}"]["server_after"] = before, step_counts(s.url)
                     print(f"[{i}/{len(names)}] {name} c{c}: {got['levels'][f'c{c}']['ttft_ms_median']} ms to first "
                           f"token, {got['levels'][f'c{c}']['output_tok_s']} tok/s", flush=True)
                 got["draft_kv"] = (server_info(s.url).get("dflash") or {}).get("draft_kv")

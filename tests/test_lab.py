@@ -315,6 +315,19 @@ def test_the_long_context_run_gives_every_server_the_window_and_only_the_ring_it
     assert len({tuple(p) for p in batch}) == 4 and all(len(p) == 100 for p in batch)
 
 
+def test_the_long_context_run_reads_the_plugins_step_counts_and_nothing_from_the_builtin(monkeypatch):
+    """Per level, what tells a per-step decode cost from a per-request one: the plugin's decode
+    steps, eager drafts and verifies and host time by part; the built-in has none of them."""
+    lc = load_lab("long_context")
+    host = {"calls": 5, "call_ms": 9.0, "gap_ms": 4.0, "policy_ms": 0.1, "phases_ms": {"draft": 2.0}}
+    plugin = {"dflash": {"decode_steps": 5, "eager_drafts": 1, "eager_verifies": {"16": 2}, "prefills": 3,
+                         "widths_used": {"16": 5}, "stalls": {"decode_host": host, "recent": [1, 2]}, "block_size": 16}}
+    monkeypatch.setattr(lc, "server_info", lambda url: plugin if url == "p" else {"internal_states": []})
+    assert lc.step_counts("p") == {"decode_steps": 5, "eager_drafts": 1, "eager_verifies": {"16": 2}, "prefills": 3,
+                                   "widths_used": {"16": 5}, "decode_host": host}
+    assert lc.step_counts("b") == {}
+
+
 def test_the_tiny_moe_target_keeps_expert_zero_and_pulls_the_others_toward_it(tmp_path):
     import importlib.util
 
