@@ -14,6 +14,8 @@
 # LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
 # both servers over the same context lengths; steady mode starts each trace at a context of its own);
 # LIGHT=both traces each level both ways on one server, light first (cN-light, then cN).
+# MAX_NEW=N (steady profile): each request's length (default 2048; at τ ≈ 1 and c1 a longer one keeps
+# an admission out of the 20 traced steps).
 # PREFILL_GRAPHS=N: prefills from SGLang's breakable graphs (its default) up to N tokens (default 4096); off: eagerly.
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 # BUDGET=SECONDS (bench): --time-budget, set 30-60 s below the call's limit: a later server starts only if
@@ -50,7 +52,7 @@ case $mode in
         python3 -m sglang_dflash.bench.profile_step --rig "$weights" $rig_shape --impls "${IMPLS:-plugin,builtin}" \
             --concurrency "$concs" --steps 20 --trace-dir /tmp/traces-$weights-$backend \
             $(case ${LIGHT:-0} in 1) echo --light ;; both) echo --light-too ;; esac) \
-            $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens 2048") \
+            $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens ${MAX_NEW:-2048}") \
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)
         python3 -m sglang_dflash.bench.sweep --rig "$weights" $rig_shape --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
