@@ -2,7 +2,8 @@
 """Long prompts with the sliding-window draft (issue 78, item 6): 32k-token prompts through chunked
 prefill on the Qwen3.5-4B rig (zero weights: every draft accepted), the plugin with its draft K/V on
 every position, the plugin with the ring (``SGLANG_DFLASH_DRAFT_RING=1``), and the built-in, all
-with ``--speculative-draft-window-size W``; one server at a time, each warmed by a short request and a full-length one.
+with ``--speculative-draft-window-size W``; one server at a time, each warmed by a short request
+and a full-length one.
 
     python3 -m lab.long_context OUT [--impls plugin,plugin-ring,builtin] [--prompt-tokens 32768]
         [--concurrency 1,4] [--requests 4] [--window 4096] [--shape qwen3.5-4b] [--backend fa3]
