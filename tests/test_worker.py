@@ -1093,7 +1093,7 @@ def test_a_hybrid_width_one_decode_far_from_every_track_boundary_neither_rebuild
     worker.release = SimpleNamespace(
         has=lambda change: True, mamba_track_interval=lambda b: 16 if case == "near" else 64,
         track_decoded_state=lambda on, mask, track: seen.append("track"), reserved_seq_lens_cpu=lambda spec: None,
-        committed_lens_cpu=lambda spec, bs: SGLangRelease.committed_lens_cpu(None, spec, bs))
+        committed_lens_cpu=SGLangRelease("0.5.23").committed_lens_cpu)
     batch.mamba_track_mask, batch.mamba_track_indices = torch.tensor([True, True]), torch.tensor([3, 4])
     batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = [128, 128]
     batch.mamba_lazy_spec_track_positions_cpu = [0, 1] if case == "lazy plan" else None
