@@ -106,11 +106,18 @@ def bulk_prepare_serves() -> bool:
 def make_draft_input(bonus_tokens: torch.Tensor, new_seq_lens: torch.Tensor):
     """The next step's draft input: the bonus token and committed length of each request (the
     EAGLE-shaped fields SGLang's class keeps stay empty)."""
-    bs, device = int(new_seq_lens.numel()), bonus_tokens.device
+    topk_p, topk_index, hidden_states = eagle_fields(int(new_seq_lens.numel()), bonus_tokens.device)
     return draft_input_class()(
-        topk_p=torch.empty((bs, 0), device=device, dtype=torch.float32),
-        topk_index=torch.empty((bs, 0), device=device, dtype=torch.int64),
+        topk_p=topk_p, topk_index=topk_index, hidden_states=hidden_states,
         bonus_tokens=bonus_tokens.to(dtype=torch.int64),
         new_seq_lens=new_seq_lens.to(dtype=torch.int64),
-        hidden_states=torch.empty((bs, 0), device=device, dtype=torch.float16),
     )
+
+
+@lru_cache(maxsize=512)
+def eagle_fields(bs: int, device: torch.device) -> tuple:
+    """The draft input's EAGLE-shaped fields, ``[bs, 0]``: no storage, so one set a batch size
+    serves every step (SGLang's filter and merge build new tensors from them)."""
+    return (torch.empty((bs, 0), device=device, dtype=torch.float32),
+            torch.empty((bs, 0), device=device, dtype=torch.int64),
+            torch.empty((bs, 0), device=device, dtype=torch.float16))

@@ -95,3 +95,17 @@ def test_another_prepare_for_decode_keeps_sglangs_class(monkeypatch):
         assert type(make_draft_input(torch.tensor([1]), torch.tensor([2]))) is dflash_info_v2.DFlashDraftInputV2
     finally:
         draft_input_class.cache_clear()
+
+
+def test_draft_inputs_of_one_batch_size_share_their_empty_fields_and_filter_and_merge_leave_them_alone():
+    """The EAGLE-shaped fields are ``[bs, 0]``, made once a batch size: SGLang's filter and merge
+    build new tensors from them, so one draft input's never changes another's."""
+    first = make_draft_input(torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]))
+    second = make_draft_input(torch.tensor([1, 2, 3]), torch.tensor([20, 21, 22]))
+    assert first.topk_p is second.topk_p and first.hidden_states.shape == (3, 0)
+    assert first.topk_index.dtype == torch.int64 and first.hidden_states.dtype == torch.float16
+    first.filter_batch(torch.tensor([0, 2]), [0, 2])
+    assert first.topk_p.shape == (2, 0) and second.topk_p.shape == (3, 0)
+    assert first.bonus_tokens.tolist() == [5, 7] and second.bonus_tokens.tolist() == [1, 2, 3]
+    second.merge_batch(make_draft_input(torch.tensor([4]), torch.tensor([30])))
+    assert second.topk_p.shape == (4, 0) and make_draft_input(torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1])).topk_p.shape == (3, 0)
