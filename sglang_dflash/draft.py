@@ -48,6 +48,7 @@ class StepBuffers:
         self.block_size, self.device = block_size, device
         self.sets: list[Optional[dict]] = [None, None]
         self.turn = 0
+        self.units: Optional[tuple] = None  # read-only (accept, commit) lengths (0, 1) of a width-1 step
 
     def take(self, bs: int, seq_dtype: torch.dtype, width: Optional[int] = None) -> dict:
         """Views for ``bs`` requests. The block's own tensors are ``[bs, B]``; what the verify and
@@ -64,6 +65,15 @@ class StepBuffers:
         for k in self.VERIFIED:
             views[k] = bufs[k].view(-1)[: bs * width].view(bs, width)
         return views
+
+    def unit_lens(self, bs: int) -> tuple:
+        """``(zeros, ones)``, int32 ``[bs]``: a width-1 step's accept and commit lengths. Shared by
+        every such step: nothing writes them (SGLang copies the commit lengths to the host)."""
+        if self.units is None or self.units[0].numel() < bs:
+            cap = max(bs, 2 * (0 if self.units is None else self.units[0].numel()), 8)
+            self.units = (torch.zeros(cap, dtype=torch.int32, device=self.device),
+                          torch.ones(cap, dtype=torch.int32, device=self.device))
+        return self.units[0][:bs], self.units[1][:bs]
 
     def _allocate(self, cap: int, seq_dtype: torch.dtype) -> dict:
         B, dev = self.block_size, self.device

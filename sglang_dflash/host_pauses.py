@@ -142,6 +142,9 @@ class StepStalls:
                                 round(call * 1e3, 1), round(gap * 1e3, 1)])
         self._start, self._last_end, self._last_mode = None, now, mode
 
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
+
     def report(self) -> dict:
         self._last_end = None
         by_width = {f"{w}@{b}": {"call": round(statistics.median(c for c, _ in kept) * 1e3, 3),
@@ -189,7 +192,7 @@ def host_phase(name: str):
     def add(self, seconds: float) -> None:
         stalls = getattr(self, "stalls", None)
         if stalls is not None:
-            stalls.phase_s[name] = stalls.phase_s.get(name, 0.0) + seconds
+            stalls.add_phase(name, seconds)
     return timed_into(add)
 
 

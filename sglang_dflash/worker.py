@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
@@ -122,7 +123,7 @@ def decode_may_reach_track(committed_cpu: torch.Tensor, interval: int, block_siz
     we. The decoded length then lies in ``[committed + 1, committed + 2B + 1]``; a boundary is a
     multiple of ``interval``.
     """
-    committed = committed_cpu.to(torch.int64)
+    committed = committed_cpu.numpy().astype("int64")  # numpy: a few array ops at a tenth of torch's host cost
     return bool(((committed + 2 * block_size + 1) // interval > committed // interval).any())
 
 
@@ -427,12 +428,14 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self.clock.forget()
             return self._idle_result(on_publish)
 
+        started = time.perf_counter()  # the step's own set-up and wrap-up are timed too (phases "set-up", "wrap-up")
         stream = torch.cuda.current_stream()  # once a step: building it was most of time_step's 33 us traced
         batch.seq_lens.record_stream(stream)  # may come from the FutureMap stream
         bs = len(batch.seq_lens)
         width, request_widths = self.choose_widths(batch, bs)
         self.draft_head.maybe_rebuild()
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
+        self.stalls.add_phase("set-up", time.perf_counter() - started)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
         penalty_rows = self.output_counts.batch_rows(batch.reqs)
@@ -442,8 +445,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             if request_widths is not None:  # what each request was verified at, and so may keep
                 request_widths = (request_widths[0], lane_widths)
         logits_output, can_run_graph, context_written = self.verify_step(batch, block, lane_widths)
-        logits_output.next_token_logits = HalfVerifyLogits.for_accept(
-            logits_output.next_token_logits, argmax_only(batch, penalty_rows))
+        plain = argmax_only(batch, penalty_rows)
+        logits_output.next_token_logits = HalfVerifyLogits.for_accept(logits_output.next_token_logits, plain)
         self.decode_steps += 1
         if not can_run_graph:
             self.eager_verifies[width] += 1
@@ -454,7 +457,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             )
             if mask is not None:
                 mask.apply(logits_output.next_token_logits)
-        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows)
+        accepted = self.accept_step(batch, block, logits_output.next_token_logits, bufs, penalty_rows, plain)
         self.draft_head.observe(accepted.out_tokens)  # every verified position: the target's own tokens
         if penalty_rows is not None:
             self.output_counts.commit(penalty_rows, block.candidates, accepted.commit_len)
@@ -464,6 +467,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self.track_decoded_state(batch)
         elif self.hybrid:
             self.commit_recurrent_state(batch, accepted, width)
+        wrap_up = time.perf_counter()
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         if not context_written:
@@ -471,7 +475,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         logits_output.hidden_states = None  # never copied to the host
         if self.width_policy is not None:
             self.time_step(width, bs, request_widths, stream)
-        return GenerationBatchResult(
+        result = GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=accepted.out_tokens.reshape(-1),
             accept_lens=accepted.commit_len,
@@ -480,6 +484,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             speculative_num_draft_tokens=width,  # the row stride of next_token_ids
             new_seq_lens=accepted.new_seq_lens,
         )
+        self.stalls.add_phase("wrap-up", time.perf_counter() - wrap_up)  # the policy's time_step included
+        return result
 
     @policy_time
     def choose_widths(self, batch, bs: int) -> tuple[int, Optional[list]]:
@@ -759,11 +765,14 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
 
     @host_phase("accept")
     def accept_step(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict,
-                    penalty_rows: Optional[torch.Tensor] = None) -> Accepted:
+                    penalty_rows: Optional[torch.Tensor] = None, plain: bool = False) -> Accepted:
         """Greedy: target argmax. Otherwise a target sample per position (exact with a greedy draft).
         A request whose ragged lane is narrower than the block (in fallback) accepts no candidate
-        past it; every other request was verified at the block's width and keeps what it accepts."""
+        past it; every other request was verified at the block's width and keeps what it accepts.
+        ``plain``: the batch needs nothing of the logits but their argmax (:func:`argmax_only`)."""
         bs, B = block.candidates.shape
+        if B == 1 and plain and block.lanes is None:
+            return self.accept_decoded(batch, logits, bufs)
         candidates = block.candidates
         info = batch.sampling_info
         if block.lanes is not None:  # a ragged verify: one row per lane, greedy and plain (ragged_lane_widths)
@@ -783,6 +792,16 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             acc.accept_len, acc.commit_len, acc.bonus, acc.out_tokens, acc.new_seq_lens,
         )
         return acc
+
+    def accept_decoded(self, batch, logits: torch.Tensor, bufs: dict) -> Accepted:
+        """Width 1, greedy and plain: the one candidate is the pending token, so the step commits
+        the target's argmax alone. Two launches in place of the accept kernel's argmax and Triton
+        launch: a width-1 step is host-bound."""
+        out = bufs["out_tokens"]  # [bs, 1]
+        torch.argmax(logits, dim=-1, keepdim=True, out=out)
+        new_seq_lens = torch.add(batch.seq_lens, 1, out=bufs["new_seq_lens"])
+        none_accepted, one_committed = self.buffers.unit_lens(out.shape[0])
+        return Accepted(none_accepted, one_committed, out.view(-1), out, new_seq_lens)
 
     def apply_request_params(self, logits: torch.Tensor, candidates: torch.Tensor, info,
                              penalty_rows: Optional[torch.Tensor]) -> None:

@@ -372,7 +372,7 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert wave_host_per_step(rows["plugin"]) == [
         {"call": 2000.0, "gap": 1000.0, "policy": 50.0, "phases": {"verify": 1200.0, "accept": 300.0}}] * 2
     assert wave_host_per_step(rows["ar"]) == []
-    assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 | 0.0 | 1200.0 | 300.0 | 0.0 | 0.0 |" in (tmp_path / "report.md").read_text()
+    assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 | 0.0 | 0.0 | 1200.0 | 300.0 | 0.0 | 0.0 | 0.0 |" in (tmp_path / "report.md").read_text()
     # The scheduler's time by mode, wave by wave: decode steps 12 of each 16 ms, admissions 4.
     assert wave_time_by_mode(rows["plugin"]) == [{"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25},
                                                   "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625}}] * 2
@@ -1224,11 +1224,11 @@ def test_plain_decodings_ledger_is_read_as_the_plugins_calls_by_mode(monkeypatch
 
 def test_the_reports_host_time_columns_are_the_parts_the_worker_times():
     """report.md's "Host time per decode step" has a column per named part of the worker's step:
-    a part renamed or added in the worker (``host_phase``) without the report would go unseen."""
+    a part renamed or added in the worker (``host_phase``, ``add_phase``) without the report would go unseen."""
     from sglang_dflash.bench.report import HOST_PHASES
 
     named = set()
     for path in glob.glob(os.path.join(os.path.dirname(__file__), "..", "sglang_dflash", "*.py")):
         with open(path) as f:
-            named |= set(re.findall(r'@host_phase\("(\w+)"\)', f.read()))
+            named |= set(re.findall(r'(?:@host_phase|add_phase)\("([\w-]+)"', f.read()))
     assert named == set(HOST_PHASES) and len(HOST_PHASES) == len(set(HOST_PHASES))

@@ -38,6 +38,37 @@ def test_step_buffers_grow_with_the_batch_and_follow_the_seq_len_dtype():
     assert bufs.take(1, torch.int32)["new_seq_lens"].dtype == torch.int32
 
 
+def test_a_width_one_plain_accept_commits_what_the_accept_kernel_would_without_launching_it(monkeypatch):
+    """Width 1, greedy and nothing per position: ``accept_decoded`` commits the argmax (ties as
+    the kernel's argmax breaks them) with the kernel's lengths; anything else keeps the kernel."""
+    import sglang_dflash.worker as worker_mod
+    from sglang_dflash.draft import DraftBlock
+    from sglang_dflash.worker import DFlashWorker
+
+    bs, vocab = 5, 11
+    worker = object.__new__(DFlashWorker)
+    worker.stalls, worker.buffers = StepStalls(), StepBuffers(4, "cpu")
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(3))
+    logits[2, 3] = logits[2, 7] = logits[2].max() + 1  # a tie
+    batch = SimpleNamespace(sampling_info=None, seq_lens=torch.tensor([3, 9, 4, 100, 7]))
+    block = lambda bufs: DraftBlock(bufs["candidates"].copy_(torch.arange(bs)[:, None] + 40), None, None, None)  # noqa: E731
+    launched = []
+    monkeypatch.setattr(worker_mod, "accept_block", lambda *args: launched.append(torch_accept_block(*args)))
+    bufs = worker.buffers.take(bs, torch.int64, 1)
+    kernel = DFlashWorker.accept_step(worker, batch, block(bufs), logits.clone(), bufs)
+    assert len(launched) == 1
+    bufs = worker.buffers.take(bs, torch.int64, 1)
+    plain = DFlashWorker.accept_step(worker, batch, block(bufs), logits.clone(), bufs, plain=True)
+    assert len(launched) == 1 and plain.out_tokens[2, 0] == 3
+    for name in ("accept_len", "commit_len", "bonus", "out_tokens", "new_seq_lens"):
+        assert torch.equal(getattr(plain, name), getattr(kernel, name)), name
+    assert plain.commit_len.dtype == kernel.commit_len.dtype and plain.out_tokens.shape == (bs, 1)
+    bufs = worker.buffers.take(bs, torch.int64, 2)  # two candidates: the kernel, plain or not
+    DFlashWorker.accept_step(worker, batch, DraftBlock(bufs["candidates"].zero_(), None, None, None),
+                             torch.randn(bs * 2, vocab), bufs, plain=True)
+    assert len(launched) == 2
+
+
 def test_a_narrower_verify_gets_dense_rows_and_the_block_keeps_its_width():
     bufs = StepBuffers(block_size=8, device="cpu")
     narrow = bufs.take(3, torch.int64, width=2)

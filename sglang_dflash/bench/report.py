@@ -48,7 +48,8 @@ def waves_table(rows: list[dict], waves_of, cells_of, title: str, columns: list[
     return [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines, ""]
 
 
-HOST_PHASES = ("draft", "verify", "accept", "state", "context")
+# In the worker call's order; "set-up" holds the width policy's choice, "wrap-up" its timing stamp.
+HOST_PHASES = ("set-up", "draft", "verify", "accept", "state", "wrap-up", "context")
 
 
 def host_time_table(rows: list[dict]) -> list[str]:
@@ -64,7 +65,7 @@ def host_time_table(rows: list[dict]) -> list[str]:
             phase(name) for name in HOST_PHASES]
 
     return waves_table(rows, wave_host_per_step, cells,
-                       "## Host time per decode step (us): medians over waves (draft to context: parts of the worker call)",
+                       "## Host time per decode step (us): medians over waves (set-up to context: parts of the worker call)",
                        ["worker call", "gap before it", "width policy", *HOST_PHASES])
 
 
