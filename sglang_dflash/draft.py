@@ -33,6 +33,7 @@ class DraftBlock:
     cache_loc: torch.Tensor  # [bs, w] KV slots of the verified positions
     seq_lens_bound: torch.Tensor  # host, [bs]: committed + B, what attention planning may assume
     lanes: Optional[RaggedLanes] = None  # a ragged verify's packed lanes (SGLANG_DFLASH_RAGGED)
+    decoded_lens: Optional[torch.Tensor] = None  # width 1 as a DECODE: committed + 1, as the forward read it
 
 
 class StepBuffers:
@@ -47,23 +48,30 @@ class StepBuffers:
     def __init__(self, block_size: int, device):
         self.block_size, self.device = block_size, device
         self.sets: list[Optional[dict]] = [None, None]
+        self.views: list[dict] = [{}, {}]  # each set's views by (bs, width): slicing ten tensors a step is host time
         self.turn = 0
         self.units: Optional[tuple] = None  # read-only (accept, commit) lengths (0, 1) of a width-1 step
 
     def take(self, bs: int, seq_dtype: torch.dtype, width: Optional[int] = None) -> dict:
         """Views for ``bs`` requests. The block's own tensors are ``[bs, B]``; what the verify and
         the accept step see (``candidates``, ``out_tokens``) is ``[bs, width]``, contiguous, so a
-        step that verifies only ``width`` positions passes its kernels dense rows."""
+        step that verifies only ``width`` positions passes its kernels dense rows. The same dict
+        for the same set, ``bs`` and ``width``: read it, never assign into it."""
         self.turn ^= 1
         bufs = self.sets[self.turn]
         if bufs is None or bufs["cap"] < bs or bufs["new_seq_lens"].dtype != seq_dtype:
             bufs = self.sets[self.turn] = self._allocate(max(bs, 2 * (bufs or {"cap": 8})["cap"]), seq_dtype)
+            self.views[self.turn] = {}
         width = width or self.block_size
+        views = self.views[self.turn].get((bs, width))
+        if views is not None:
+            return views
         if not 1 <= width <= self.block_size:
             raise ValueError(f"verify width {width} outside 1..{self.block_size}")
         views = {k: v[:bs] for k, v in bufs.items() if k != "cap"}
         for k in self.VERIFIED:
             views[k] = bufs[k].view(-1)[: bs * width].view(bs, width)
+        self.views[self.turn][bs, width] = views
         return views
 
     def unit_lens(self, bs: int) -> tuple:

@@ -123,8 +123,8 @@ def decode_may_reach_track(committed_cpu: torch.Tensor, interval: int, block_siz
     we. The decoded length then lies in ``[committed + 1, committed + 2B + 1]``; a boundary is a
     multiple of ``interval``.
     """
-    committed = committed_cpu.numpy().astype("int64")  # numpy: a few array ops at a tenth of torch's host cost
-    return bool(((committed + 2 * block_size + 1) // interval > committed // interval).any())
+    reach = 2 * block_size + 1  # a multiple of interval in (c, c + reach] iff c % interval + reach >= interval
+    return any(c % interval + reach >= interval for c in committed_cpu.tolist())  # Python ints: a tenth of torch's host cost
 
 
 class DFlashWorker(DraftContext, BaseSpecWorker):
@@ -727,7 +727,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self.prepare_decode_track(batch)
         batch.input_ids, batch.forward_mode, batch.spec_info = block.candidates[:, 0], ForwardMode.DECODE, None
         batch.out_cache_loc = block.cache_loc.view(-1)
-        batch.seq_lens = batch.seq_lens + 1
+        batch.seq_lens = block.decoded_lens = batch.seq_lens + 1  # also the step's new lengths (accept_decoded)
         batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())  # bounds
         mr = self.model_runner
         forward_batch = ForwardBatch.init_new(batch, mr, capture_hidden_mode=CaptureHiddenMode.FULL,
@@ -772,7 +772,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         ``plain``: the batch needs nothing of the logits but their argmax (:func:`argmax_only`)."""
         bs, B = block.candidates.shape
         if B == 1 and plain and block.lanes is None:
-            return self.accept_decoded(batch, logits, bufs)
+            return self.accept_decoded(batch, block, logits, bufs)
         candidates = block.candidates
         info = batch.sampling_info
         if block.lanes is not None:  # a ragged verify: one row per lane, greedy and plain (ragged_lane_widths)
@@ -793,13 +793,15 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         )
         return acc
 
-    def accept_decoded(self, batch, logits: torch.Tensor, bufs: dict) -> Accepted:
+    def accept_decoded(self, batch, block: DraftBlock, logits: torch.Tensor, bufs: dict) -> Accepted:
         """Width 1, greedy and plain: the one candidate is the pending token, so the step commits
-        the target's argmax alone. Two launches in place of the accept kernel's argmax and Triton
-        launch: a width-1 step is host-bound."""
+        the target's argmax alone. One launch (two where the step was a 1-token verify) in place
+        of the accept kernel's argmax and Triton launch: a width-1 step is host-bound."""
         out = bufs["out_tokens"]  # [bs, 1]
         torch.argmax(logits, dim=-1, keepdim=True, out=out)
-        new_seq_lens = torch.add(batch.seq_lens, 1, out=bufs["new_seq_lens"])
+        new_seq_lens = block.decoded_lens
+        if new_seq_lens is None:
+            new_seq_lens = torch.add(batch.seq_lens, 1, out=bufs["new_seq_lens"])
         none_accepted, one_committed = self.buffers.unit_lens(out.shape[0])
         return Accepted(none_accepted, one_committed, out.view(-1), out, new_seq_lens)
 
