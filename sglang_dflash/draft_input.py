@@ -7,13 +7,15 @@ plain decode step does not spend. Where the GPU step is short (width 1 under loa
 loop is host-bound, and those writes show in the step.
 
 :class:`DraftInput` takes the same steps with the lengths gathered in Python lists and written in
-one copy each. It stands in only where SGLang's method is the one it was written against
-(0.5.20-0.5.23, compared by source); elsewhere the plugin carries SGLang's own class.
+one copy each, into buffers kept across draft inputs (:class:`LengthBuffers`). It stands in only
+where SGLang's method is the one it was written against (0.5.20-0.5.23, compared by source);
+elsewhere the plugin carries SGLang's own class.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -27,8 +29,74 @@ from .config import bulk_prepare
 PREPARE_FOR_DECODE_SOURCES = ("67aafcdaff2c6848",)
 
 
+class LengthSet:
+    """One set of the five length buffers ``prepare_for_decode`` fills: committed lengths (host),
+    current and next KV lengths (pinned host, then device), and the event after their last use on
+    the GPU (the copies and the allocation kernels)."""
+
+    def __init__(self, cap: int, device, pin: bool, timed: bool):
+        self.cap = cap
+        self.committed_cpu = torch.empty((cap,), dtype=torch.int64, device="cpu")
+        self.cur_cpu = torch.empty((cap,), dtype=torch.int32, device="cpu", pin_memory=pin)
+        self.nxt_cpu = torch.empty((cap,), dtype=torch.int32, device="cpu", pin_memory=pin)
+        self.cur_gpu = torch.empty((cap,), dtype=torch.int32, device=device)
+        self.nxt_gpu = torch.empty((cap,), dtype=torch.int32, device=device)
+        self.used = torch.cuda.Event() if timed else None
+
+
+class LengthBuffers:
+    """The length buffers of ``prepare_for_decode``, kept across draft inputs.
+
+    SGLang's draft input allocates them on first use, and the scheduler's draft input is a new one
+    every step: five allocations a step, two of pinned memory, which plain decoding never makes.
+    Here ``DEPTH`` sets are handed out in turn. A set's host lengths are read by the step it was
+    filled for and by that step's result, one scheduler turn later; its pinned and device buffers
+    until its event completes. A set whose turn comes before that is replaced, never waited for.
+    """
+
+    DEPTH = 4
+
+    def __init__(self, device):
+        from sglang.srt.utils.common import is_pin_memory_available  # as SGLang pins these (0.5.20 on)
+
+        self.device = device
+        self.pin = is_pin_memory_available(device)
+        self.timed = torch.device(device).type == "cuda"
+        self.sets: list[Optional[LengthSet]] = [None] * self.DEPTH
+        self.turn = 0
+        self.replaced = 0  # sets still in use on the GPU when their turn came
+
+    def take(self, bs: int) -> LengthSet:
+        self.turn = (self.turn + 1) % self.DEPTH
+        held = self.sets[self.turn]
+        busy = held is not None and held.used is not None and not held.used.query()
+        if held is None or held.cap < bs or busy:
+            self.replaced += busy
+            held = self.sets[self.turn] = LengthSet(max(bs, 32, 2 * (held.cap if held else 0)), self.device,
+                                                    self.pin, self.timed)
+        return held
+
+    @staticmethod
+    def used_up_to_here(lengths: LengthSet) -> None:
+        """Called on the stream of the set's copies and allocation kernels, after them."""
+        if lengths.used is not None:
+            lengths.used.record()
+
+
+@lru_cache(maxsize=None)
+def length_buffers(device: str) -> LengthBuffers:
+    return LengthBuffers(device)
+
+
 class DraftInput(DFlashDraftInputV2):
-    """``DFlashDraftInputV2`` whose :meth:`prepare_for_decode` fills its host lengths in bulk."""
+    """``DFlashDraftInputV2`` whose :meth:`prepare_for_decode` fills its host lengths in bulk,
+    into length buffers kept across draft inputs (:class:`LengthBuffers`)."""
+
+    def _ensure_prepare_length_buffers(self, bs: int, device) -> None:
+        lengths = self._lengths = length_buffers(str(device)).take(bs)
+        self._prepare_batch_seq_lens_cpu_buf = lengths.committed_cpu
+        self._prepare_cur_kv_lens_cpu_buf, self._prepare_nxt_kv_lens_cpu_buf = lengths.cur_cpu, lengths.nxt_cpu
+        self._prepare_cur_kv_lens_gpu_buf, self._prepare_nxt_kv_lens_gpu_buf = lengths.cur_gpu, lengths.nxt_gpu
 
     def prepare_for_decode(self, batch) -> None:
         """Reserve ``committed + 2B`` KV slots (whole pages) per request for the next step, as
@@ -77,6 +145,7 @@ class DraftInput(DFlashDraftInputV2):
                 cur_kv_lens=cur_gpu, cur_kv_lens_cpu=cur_cpu, nxt_kv_lens=nxt_gpu, nxt_kv_lens_cpu=nxt_cpu,
                 num_needed_tokens=num_needed_tokens, batch=batch,
             )
+            LengthBuffers.used_up_to_here(self._lengths)
         if caller_stream is not None:  # the forward must not see a half-prepared allocation
             caller_stream.wait_stream(plan_stream)
         for req in reqs:

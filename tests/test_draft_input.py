@@ -109,3 +109,27 @@ def test_draft_inputs_of_one_batch_size_share_their_empty_fields_and_filter_and_
     assert first.bonus_tokens.tolist() == [5, 7] and second.bonus_tokens.tolist() == [1, 2, 3]
     second.merge_batch(make_draft_input(torch.tensor([4]), torch.tensor([30])))
     assert second.topk_p.shape == (4, 0) and make_draft_input(torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1])).topk_p.shape == (3, 0)
+
+
+@needs_repeated_source
+def test_length_buffers_are_kept_across_draft_inputs_and_a_set_still_in_use_is_replaced(cpu_prepare):
+    """A new draft input every step takes the next of DEPTH kept sets, not five new buffers; a set
+    whose GPU work has not completed when its turn comes is replaced, never waited for."""
+    ring = draft_input.length_buffers("cpu")
+    ring.sets, ring.turn, ring.replaced = [None] * ring.DEPTH, 0, 0
+    batch = fake_batch([130, 7, 300], [162, 7, 310], [-1] * 3, 1)
+
+    def step():
+        info = make_draft_input(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+        info.prepare_for_decode(batch)
+        return info._prepare_cur_kv_lens_cpu_buf.data_ptr(), batch.seq_lens_cpu.tolist()
+
+    first = [step() for _ in range(ring.DEPTH)]
+    assert len({ptr for ptr, _ in first}) == ring.DEPTH and all(lens == [130, 7, 300] for _, lens in first)
+    assert step()[0] == first[0][0]  # the first set's turn again
+    ring.sets[(ring.turn + 1) % ring.DEPTH].used = SimpleNamespace(query=lambda: False)  # its copies not done
+    assert step()[0] not in {ptr for ptr, _ in first} and ring.replaced == 1
+    batch = fake_batch([5] * 40, [5] * 40, [-1] * 40, 1)
+    info = make_draft_input(torch.zeros(40, dtype=torch.int64), torch.zeros(40, dtype=torch.int64))
+    info.prepare_for_decode(batch)  # a larger batch: a larger set
+    assert info._prepare_nxt_kv_lens_gpu_buf.numel() >= 40 and batch.seq_lens_cpu.tolist() == [5] * 40
