@@ -471,7 +471,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
         if not context_written:
+            context_started = time.perf_counter()
             self.commit_context(logits_output.hidden_states, block, accepted.commit_len, batch.req_pool_indices)
+            wrap_up += time.perf_counter() - context_started  # its own phase, "context"
         logits_output.hidden_states = None  # never copied to the host
         if self.width_policy is not None:
             self.time_step(width, bs, request_widths, stream)
