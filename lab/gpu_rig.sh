@@ -21,6 +21,8 @@
 # BUDGET=SECONDS (bench): --time-budget, set 30-60 s below the call's limit: a later server starts only if
 # time to measure is left after it (a third of BUDGET, or MEASURE=SECONDS: a hybrid rig's cold starts take
 # 3-5 minutes, its three levels of 16 waves under a minute), and a level cut by the budget keeps the waves it finished.
+# LATER_START=SECONDS (bench, with BUDGET): what a later server's start is expected to take, in place of the slowest
+# start so far (a fresh machine's first start compiles the target's kernels for the later ones).
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
@@ -58,6 +60,7 @@ case $mode in
         python3 -m sglang_dflash.bench.sweep --rig "$weights" $rig_shape --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
             --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens 256 \
             $([ "${PIN:-0}" = 1 ] && echo --pin-cpus) ${BUDGET:+--time-budget $BUDGET} ${MEASURE:+--measure-seconds $MEASURE} \
+            ${LATER_START:+--later-start-seconds $LATER_START} \
             --kv-cache-gb "$kv_gb" --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
     *) echo "gpu_rig.sh: unknown mode $mode (profile or bench)" >&2; exit 2 ;;
 esac

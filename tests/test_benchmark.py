@@ -941,6 +941,13 @@ def test_a_time_budget_does_not_start_a_server_it_could_not_measure(tmp_path, ch
         rig.started(165)
         clock[0] = 345  # 30 s left once the next server would be up
         assert (rig.refuse_start("builtin") is not None) == refused
+    for later, refused in ((150, False), (200, True)):  # --later-start-seconds
+        clock = [0.0]
+        warm = sweep.TimeBudget(540, clock=lambda: clock[0], measure_seconds=60, later_start=later)
+        warm.started(285)  # the cold first start compiled the target's kernels for the next server
+        clock[0] = 285  # after a 150 s start 105 s are left (after the slowest so far, 0); after 200, 55
+        why = warm.refuse_start("ar")
+        assert (why is not None) == refused and (not refused or f"after the {later} s a later start" in why)
 
     monkeypatch.setattr(ServerSpec, "command", lambda self, port: [sys.executable, FAKE, "--port", str(port)])
     start = sweep.start_or_report
@@ -963,6 +970,10 @@ def test_a_time_budget_needs_interleaved_servers(capsys):
     with pytest.raises(SystemExit):
         sweep.parse_args(["--impls", "ar", "--model-path", "m", "--measure-seconds", "60"])
     assert "--measure-seconds needs --time-budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--impls", "ar", "--model-path", "m", "--interleave", "--time-budget", "60",
+                          "--later-start-seconds", "0"])
+    assert "--later-start-seconds needs --time-budget and a number of seconds > 0" in capsys.readouterr().err
 
 
 def test_servers_stop_together_within_one_grace_window(tmp_path, monkeypatch):
