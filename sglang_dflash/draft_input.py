@@ -43,6 +43,11 @@ class LengthSet:
         self.nxt_gpu = torch.empty((cap,), dtype=torch.int32, device=device)
         self.used = torch.cuda.Event() if timed else None
 
+    def record_use(self) -> None:
+        """Called on the stream of the set's copies and allocation kernels, after them."""
+        if self.used is not None:
+            self.used.record()
+
 
 class LengthBuffers:
     """The length buffers of ``prepare_for_decode``, kept across draft inputs.
@@ -75,12 +80,6 @@ class LengthBuffers:
             held = self.sets[self.turn] = LengthSet(max(bs, 32, 2 * (held.cap if held else 0)), self.device,
                                                     self.pin, self.timed)
         return held
-
-    @staticmethod
-    def used_up_to_here(lengths: LengthSet) -> None:
-        """Called on the stream of the set's copies and allocation kernels, after them."""
-        if lengths.used is not None:
-            lengths.used.record()
 
 
 @lru_cache(maxsize=None)
@@ -145,7 +144,7 @@ class DraftInput(DFlashDraftInputV2):
                 cur_kv_lens=cur_gpu, cur_kv_lens_cpu=cur_cpu, nxt_kv_lens=nxt_gpu, nxt_kv_lens_cpu=nxt_cpu,
                 num_needed_tokens=num_needed_tokens, batch=batch,
             )
-            LengthBuffers.used_up_to_here(self._lengths)
+            self._lengths.record_use()
         if caller_stream is not None:  # the forward must not see a half-prepared allocation
             caller_stream.wait_stream(plan_stream)
         for req in reqs:
