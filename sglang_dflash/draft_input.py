@@ -69,22 +69,38 @@ class LengthBuffers:
         self.timed = torch.device(device).type == "cuda"
         self.sets: list[Optional[LengthSet]] = [None] * self.DEPTH
         self.turn = 0
+        self.taken = self.made = 0  # sets handed out; sets allocated (the first DEPTH, larger batches, replacements)
         self.replaced = 0  # sets still in use on the GPU when their turn came
 
     def take(self, bs: int) -> LengthSet:
         self.turn = (self.turn + 1) % self.DEPTH
+        self.taken += 1
         held = self.sets[self.turn]
         busy = held is not None and held.used is not None and not held.used.query()
         if held is None or held.cap < bs or busy:
             self.replaced += busy
+            self.made += 1
             held = self.sets[self.turn] = LengthSet(max(bs, 32, 2 * (held.cap if held else 0)), self.device,
                                                     self.pin, self.timed)
         return held
 
 
-@lru_cache(maxsize=None)
+_LENGTH_BUFFERS: dict[str, LengthBuffers] = {}  # device -> its kept sets (one device a process)
+
+
 def length_buffers(device: str) -> LengthBuffers:
-    return LengthBuffers(device)
+    kept = _LENGTH_BUFFERS.get(device)
+    if kept is None:
+        kept = _LENGTH_BUFFERS[device] = LengthBuffers(device)
+    return kept
+
+
+def length_sets_report() -> dict:
+    """``/get_server_info``'s ``length_sets``: the sets handed out and allocated since start, and
+    those replaced because their GPU work had not completed when their turn came (a ``DEPTH`` too
+    small for the overlap schedule shows here)."""
+    kept = _LENGTH_BUFFERS.values()
+    return {key: sum(getattr(b, key) for b in kept) for key in ("taken", "made", "replaced")}
 
 
 class DraftInput(DFlashDraftInputV2):

@@ -75,7 +75,7 @@ from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
-from .draft_input import bulk_prepare_serves, draft_input_class, make_draft_input
+from .draft_input import bulk_prepare_serves, draft_input_class, length_sets_report, make_draft_input
 from .fallback import make_fallback
 from .host_pauses import StepStalls, call_shape, host_phase, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
@@ -373,8 +373,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
     def server_info(self) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
         allocator retries), the worker calls that stalled, the decode steps and those whose draft
-        or verify ran outside CUDA graphs, the verifies whose logits stayed in half precision, and,
-        with adaptive width, the widths chosen so far (decode steps per width)."""
+        or verify ran outside CUDA graphs, the verifies whose logits stayed in half precision, the
+        draft input's length sets (where its bulk prepare serves), and, with adaptive width, the
+        widths chosen so far (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
@@ -383,6 +384,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                 "block_attention": BLOCK_ROUTE.report(), "host_lengths": self.host_lengths_copied(),
                 "eager_verifies": {str(w): n for w, n in sorted(self.eager_verifies.items(), reverse=True)}}
         info["draft_kv"] = self.draft_kv_report()
+        if info["bulk_prepare"]:  # the draft input's length buffers, kept across steps
+            info["length_sets"] = length_sets_report()
         if self.hybrid:
             info["decode_track"] = dict(self.decode_track)
             info["width_one_step"] = self.width_one_step

@@ -116,7 +116,7 @@ def test_length_buffers_are_kept_across_draft_inputs_and_a_set_still_in_use_is_r
     """A new draft input every step takes the next of DEPTH kept sets, not five new buffers; a set
     whose GPU work has not completed when its turn comes is replaced, never waited for."""
     ring = draft_input.length_buffers("cpu")
-    ring.sets, ring.turn, ring.replaced = [None] * ring.DEPTH, 0, 0
+    ring.sets, ring.turn, ring.taken, ring.made, ring.replaced = [None] * ring.DEPTH, 0, 0, 0, 0
     batch = fake_batch([130, 7, 300], [162, 7, 310], [-1] * 3, 1)
 
     def step():
@@ -129,6 +129,7 @@ def test_length_buffers_are_kept_across_draft_inputs_and_a_set_still_in_use_is_r
     assert step()[0] == first[0][0]  # the first set's turn again
     ring.sets[(ring.turn + 1) % ring.DEPTH].used = SimpleNamespace(query=lambda: False)  # its copies not done
     assert step()[0] not in {ptr for ptr, _ in first} and ring.replaced == 1
+    assert draft_input.length_sets_report() == {"taken": ring.DEPTH + 2, "made": ring.DEPTH + 1, "replaced": 1}
     batch = fake_batch([5] * 40, [5] * 40, [-1] * 40, 1)
     info = make_draft_input(torch.zeros(40, dtype=torch.int64), torch.zeros(40, dtype=torch.int64))
     info.prepare_for_decode(batch)  # a larger batch: a larger set

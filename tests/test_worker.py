@@ -715,6 +715,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     from sglang_dflash.draft_input import bulk_prepare_serves
 
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()
+    if bulk_prepare_serves():
+        assert set(state["dflash"].pop("length_sets")) == {"taken", "made", "replaced"}
     assert set(state["dflash"].pop("block_attention")) == {"backends", "routed_calls", "declined_calls", "plans_skipped",
                                                            "served_whole"}
     assert state["dflash"].pop("host_lengths") == []  # no backends built here
@@ -729,6 +731,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
+    fixed.pop("length_sets", None)
     assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
