@@ -193,7 +193,15 @@ def test_a_rig_sweep_is_rebuilt_from_its_results_with_plugin_over_builtin(tmp_pa
                                                                abs=1e-3)
     lo, hi = entry["interval"]["c1"]
     assert lo <= entry["plugin_over_builtin"]["c1"] <= hi
-    assert scale["step_ratio_c1"] == 1.239 and entry["evidence"].endswith("report.md")
+    assert scale["step_ratio_c1"] == 1.239 and entry["evidence"] == "out/report.md"  # beside the summary, no machine path
+
+
+def test_a_summary_names_its_evidence_from_the_checkout_or_from_its_own_folder(tmp_path, monkeypatch):
+    """Never a path of the machine the sweep ran on (a GPU machine's /root/out/...)."""
+    monkeypatch.chdir(tmp_path)
+    assert sweep.evidence_path(str(tmp_path / "results/x/report.md"), "results/summary.json") == "results/x/report.md"
+    elsewhere = tmp_path.parent / "out"
+    assert sweep.evidence_path(str(elsewhere / "4b/report.md"), str(elsewhere / "4b/summary.json")) == "report.md"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -694,6 +694,16 @@ def installed_sglang() -> str:
         return "unknown"
 
 
+def evidence_path(path: str, summary: str) -> str:
+    """How a summary names a file it cites: from the current directory where the file lies under it
+    (``results/summary.json`` names files from the checkout's root), else from the summary's own
+    folder (an output folder elsewhere, as on a GPU machine): never a path of the machine it ran on."""
+    here = os.path.abspath(path)
+    if here.startswith(os.getcwd() + os.sep):
+        return os.path.relpath(here)
+    return os.path.relpath(here, os.path.dirname(os.path.abspath(summary)))
+
+
 def scale_entry(scale: dict, rows: list[dict], evidence: str) -> dict:
     """One release and backend in summary.json's scale: step times per level, each over AR's, and
     plugin over built-in throughput from the paired waves with its 95% interval."""
@@ -771,16 +781,17 @@ def main(argv=None) -> int:
     with open(os.path.join(args.output_dir, "report.md"), "w") as f:
         f.write(report)
     if args.summary:
+        report_path = evidence_path(os.path.join(args.output_dir, "report.md"), args.summary)
         updates = {"benchmark": {"datasets": args.datasets, "concurrencies": args.concurrencies,
                                  "implementations": list(dict.fromkeys([r["label"] for r in rows] + [f["label"] for f in failures])),
-                                 "report": os.path.join(args.output_dir, "report.md")}}
+                                 "report": report_path}}
         comparison = side_by_side(rows)
         if comparison:
             updates["side_by_side"] = comparison
         if scale:  # the rig's figures go under scale alone: the headline benchmark is a real model's
             updates = {}
             key = f"{installed_sglang()}/{scale['backend']}" + ("" if scale["weights"] == "zero" else f"/{scale['weights']}")
-            entry = scale_entry(scale, rows, os.path.join(args.output_dir, "report.md"))
+            entry = scale_entry(scale, rows, report_path)
             updates["scale"] = merge_scale(current_summary(args.summary).get("scale", {}), key, entry, scale)
         update_summary(args.summary, updates)
     print(report)
