@@ -57,11 +57,12 @@ import functools
 import importlib
 import json
 import os
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
+
+from lab.cuda_timing import flushed_event_us
 
 KERNEL_MODULES = ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent",  # 0.5.23
                   "sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent")  # 0.5.17
@@ -221,21 +222,6 @@ def exact(found):
             and not any(v for k, v in found.items() if k.startswith("output_only_wrote_state")))
 
 
-def median_us(fn, iters, warmup, flush):
-    for _ in range(warmup):
-        fn()
-    events = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1000 for start, end in events)
-
-
 def timings(paths, iters, warmup, flush):
     pool = paths.c.pool0.clone()
     parts = {
@@ -248,7 +234,7 @@ def timings(paths, iters, warmup, flush):
         "output_only_verify_same_launch_us": lambda: paths.output_only_verify(pool, same_launch=True),
         "replay_commit_same_launch_us": lambda: paths.replay_commit(pool, same_launch=True),
     }
-    return {name: round(median_us(fn, iters, warmup, flush), 2) for name, fn in parts.items()}
+    return {name: round(flushed_event_us(fn, flush, iters, warmup), 2) for name, fn in parts.items()}
 
 
 def bytes_written(shape, bs, width, accepted_tokens):
