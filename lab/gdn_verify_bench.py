@@ -14,15 +14,21 @@ re-runs the same kernel over each request's accepted tokens only (varlen ``cu_se
     A  snapshot:     verify with snapshots (as SGLang calls it) + commit copy of the accepted one
     B  output only:  verify without snapshots + copy of q, k, v, a, b into a record buffer
     C  replay:       gather of the accepted tokens from the record buffer + the kernel over them
+    D  saved state:  copy of each request's state aside + the verify in place (no snapshots, state
+                     update on: a fully accepted block is committed as it stands) + for the requests
+                     that accepted less: the kernel over their accepted tokens from the saved state,
+                     and a masked copy of the result into their slots
 
-B and C run twice: as described (no snapshot buffer), and "same launch", with a one-row snapshot
+C replays every request's accepted tokens, so where every draft is accepted it runs the recurrence
+twice; D replays only the requests that stopped short, at the price of one state copy a request.
+B, C and D run twice: as described (no snapshot buffer), and "same launch", with a one-row snapshot
 buffer whose row index is -1 for every request. The kernel stores no snapshot for a row index
 below 0, but SGLang 0.5.23's wrapper picks its launch tile from whether a buffer is passed (on
 SM90 at K = V = 128 and at most 64 requests a value tile of 4 for the verify, 32 otherwise), so
-the same-launch variant runs B and C in the very tile A uses. The tiles used are in the JSON.
+the same-launch variant runs B, C and D in the very tile A uses. The tiles used are in the JSON.
 
-Before timing, every case checks on its own data that B's outputs equal A's and that C's committed
-state pool equals A's, bitwise (``torch.equal``), that B wrote no state and that the same-launch
+Before timing, every case checks on its own data that B's and D's outputs equal A's and that C's and
+D's committed state pools equal A's, bitwise (``torch.equal``), that B wrote no state and that the same-launch
 snapshot row stayed unwritten. Inputs are as SGLang's GDN backend hands them to the verify: q, k
 ``[1, bs*w, H, K]``, v ``[1, bs*w, HV, V]``, a, b ``[bs*w, HV]``, all bf16 and contiguous; A_log
 fp32 and dt_bias bf16 ``[HV]`` (Qwen3.5 declares A_log fp32, dt_bias in the model dtype); the fp32
@@ -34,8 +40,8 @@ step's other layers would) and keeps the GPU busy while Python launches the part
 are GPU time without launch latency, as a CUDA-graph step sees it. Per-step figures are the
 per-layer ones times the shape's GDN layers (SGLang's commit copy is one launch for all layers,
 so its per-step figure counts a launch a layer where SGLang pays one). Bytes written are worked out
-from the shapes. Not timed: building the gather's token index and ``cu_seqlens`` from the
-accept lengths (the host has them after the verify).
+from the shapes. Not timed: building the gathers' token indices, ``cu_seqlens`` and D's masks from
+the accept lengths (a few small integer ops on the GPU).
 
     source lab/gpu_setup.sh 0.5.23 || exit 1
     python3 -m lab.gdn_verify_bench $OUT/gdn_verify.json [--shape qwen3.5-4b] [--batch 1,8,32]
@@ -137,6 +143,19 @@ class Case:
         self.commit_starts = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
         self.replay_inputs = {name: t.index_select(TOKEN_AXIS[name], self.commit_tokens)
                               for name, t in self.record.items()}
+        # D: rows that accepted less than the width replay from their saved state; the others keep the
+        # verify's final state (row index -1: the kernel neither loads nor stores, and gets no tokens).
+        short = [n < width for n in lengths]
+        self.saved = torch.empty(bs, HV, V, K, device=device)
+        self.short_rows = torch.tensor([r if s else -1 for r, s in enumerate(short)], dtype=torch.int32,
+                                       device=device)
+        self.short_steps = torch.tensor([0 if s else -1 for s in short], dtype=torch.int32, device=device)
+        short_lengths = [n if s else 0 for n, s in zip(lengths, short)]
+        self.short_tokens = torch.cat([r * width + torch.arange(n) for r, n in enumerate(short_lengths)]
+                                      + [torch.zeros(0, dtype=torch.int64)]).to(device)
+        self.short_starts = torch.tensor([0] + short_lengths, device=device).cumsum(0).to(torch.int32)
+        self.short_inputs = {name: t.index_select(TOKEN_AXIS[name], self.short_tokens)
+                             for name, t in self.record.items()}
 
 
 class Paths:
@@ -145,10 +164,11 @@ class Paths:
     def __init__(self, kernel, scatter, case):
         self.kernel, self.scatter, self.c = kernel, scatter, case
 
-    def _gdn(self, tokens, pool, starts, **mode):
+    def _gdn(self, tokens, pool, starts, indices=None, **mode):
         c = self.c
         return self.kernel(A_log=c.A_log, dt_bias=c.dt_bias, q=tokens["q"], k=tokens["k"], v=tokens["v"],
-                           a=tokens["a"], b=tokens["b"], initial_state_source=pool, initial_state_indices=c.slots,
+                           a=tokens["a"], b=tokens["b"], initial_state_source=pool,
+                           initial_state_indices=c.slots if indices is None else indices,
                            cu_seqlens=starts, use_qk_l2norm_in_kernel=True, softplus_beta=1.0,
                            softplus_threshold=20.0, is_kda=False, **mode)
 
@@ -188,6 +208,37 @@ class Paths:
         return self._gdn(c.replay_inputs, pool, c.commit_starts, disable_state_update=False,
                          **self._no_snapshot(same_launch))
 
+    def saved_copy(self, pool):
+        torch.index_select(pool, 0, self.c.slots, out=self.c.saved)
+
+    def in_place_verify(self, pool, same_launch=False):
+        c = self.c
+        return self._gdn(c.tokens, pool, c.verify_starts, disable_state_update=False,
+                         **self._no_snapshot(same_launch))
+
+    def saved_gather(self):
+        c = self.c
+        for name, t in c.record.items():
+            torch.index_select(t, TOKEN_AXIS[name], c.short_tokens, out=c.short_inputs[name])
+
+    def saved_replay(self, same_launch=False):
+        c = self.c
+        return self._gdn(c.short_inputs, c.saved, c.short_starts, indices=c.short_rows, disable_state_update=False,
+                         **self._no_snapshot(same_launch))
+
+    def saved_restore(self, pool):
+        c = self.c
+        if self.scatter:
+            self.scatter(pool[None], c.saved[None, :, None], c.slots, c.short_steps)
+        else:
+            rows = (c.short_steps >= 0).nonzero().squeeze(1)
+            pool[c.slots[rows].long()] = c.saved[rows]
+
+    def saved_commit(self, pool, same_launch=False):
+        self.saved_gather()
+        self.saved_replay(same_launch)
+        self.saved_restore(pool)
+
 
 def max_abs_difference(x, y):
     return (x.double() - y.double()).abs().nan_to_num(float("inf")).max().item()
@@ -212,12 +263,22 @@ def exactness(paths):
             found[f"{what}_equal{suffix}"] = equal
             if not equal:
                 found[f"{what}_max_abs_difference{suffix}"] = max_abs_difference(x, y)
+        pool = c.pool0.clone()
+        paths.saved_copy(pool)
+        out = paths.in_place_verify(pool, same_launch)
+        paths.record_copy()
+        paths.saved_commit(pool, same_launch)
+        for what, x, y in (("outputs", out, out_a), ("states", pool, pool_a)):
+            equal = torch.equal(x, y)
+            found[f"saved_{what}_equal{suffix}"] = equal
+            if not equal:
+                found[f"saved_{what}_max_abs_difference{suffix}"] = max_abs_difference(x, y)
     found["same_launch_snapshot_unwritten"] = bool(c.unwritten_snapshot.isnan().all())
     return found
 
 
 def exact(found):
-    return (all(v for k, v in found.items() if k.startswith(("outputs_equal", "states_equal")))
+    return (all(v for k, v in found.items() if "_equal" in k)
             and found["same_launch_snapshot_unwritten"]
             and not any(v for k, v in found.items() if k.startswith("output_only_wrote_state")))
 
@@ -233,11 +294,18 @@ def timings(paths, iters, warmup, flush):
         "replay_commit_us": lambda: paths.replay_commit(pool),
         "output_only_verify_same_launch_us": lambda: paths.output_only_verify(pool, same_launch=True),
         "replay_commit_same_launch_us": lambda: paths.replay_commit(pool, same_launch=True),
+        "saved_copy_us": lambda: paths.saved_copy(pool),
+        "in_place_verify_us": lambda: paths.in_place_verify(pool),
+        "in_place_verify_same_launch_us": lambda: paths.in_place_verify(pool, same_launch=True),
+        "saved_gather_us": paths.saved_gather,
+        "saved_replay_us": paths.saved_replay,
+        "saved_replay_same_launch_us": lambda: paths.saved_replay(same_launch=True),
+        "saved_restore_us": lambda: paths.saved_restore(pool),
     }
     return {name: round(flushed_event_us(fn, flush, iters, warmup), 2) for name, fn in parts.items()}
 
 
-def bytes_written(shape, bs, width, accepted_tokens):
+def bytes_written(shape, bs, width, accepted_tokens, short_rows, short_tokens):
     """Per layer: fp32 states and snapshots, bf16 outputs and token inputs."""
     state = shape.value_heads * shape.value_dim * shape.key_dim * STATE_BYTES
     output = shape.value_heads * shape.value_dim * INPUT_BYTES
@@ -248,9 +316,14 @@ def bytes_written(shape, bs, width, accepted_tokens):
                "output_only_verify": tokens * output, "record_copy": tokens * token_inputs,
                "replay_gather": accepted_tokens * token_inputs,
                "replay_commit": bs * state + accepted_tokens * output}
+    written.update(saved_copy=bs * state, in_place_verify=bs * state + tokens * output,
+                   saved_gather=short_tokens * token_inputs,
+                   saved_replay=short_rows * state + short_tokens * output, saved_restore=short_rows * state)
     written["snapshot_path"] = written["snapshot_verify"] + written["snapshot_commit"]
     written["replay_path"] = sum(written[k] for k in ("output_only_verify", "record_copy", "replay_gather",
                                                       "replay_commit"))
+    written["saved_path"] = sum(written[k] for k in ("saved_copy", "in_place_verify", "record_copy", "saved_gather",
+                                                     "saved_replay", "saved_restore"))
     return written
 
 
@@ -273,11 +346,17 @@ def path_totals(t, gdn_layers):
     kept_inputs = t["record_copy_us"] + t["replay_gather_us"]
     replay = t["output_only_verify_us"] + kept_inputs + t["replay_commit_us"]
     same_launch = t["output_only_verify_same_launch_us"] + kept_inputs + t["replay_commit_same_launch_us"]
+    saved_parts = t["saved_copy_us"] + t["record_copy_us"] + t["saved_gather_us"] + t["saved_restore_us"]
+    saved = saved_parts + t["in_place_verify_us"] + t["saved_replay_us"]
+    saved_same_launch = saved_parts + t["in_place_verify_same_launch_us"] + t["saved_replay_same_launch_us"]
     return {"snapshot_total_us": round(snapshot, 2), "replay_total_us": round(replay, 2),
-            "replay_total_same_launch_us": round(same_launch, 2), "ratio": round(snapshot / replay, 3),
-            "ratio_same_launch": round(snapshot / same_launch, 3),
+            "replay_total_same_launch_us": round(same_launch, 2), "saved_total_us": round(saved, 2),
+            "saved_total_same_launch_us": round(saved_same_launch, 2), "ratio": round(snapshot / replay, 3),
+            "ratio_same_launch": round(snapshot / same_launch, 3), "ratio_saved": round(snapshot / saved, 3),
+            "ratio_saved_same_launch": round(snapshot / saved_same_launch, 3),
             "step_ms": {name: round(us * gdn_layers / 1000, 3) for name, us in (
-                ("snapshot", snapshot), ("replay", replay), ("replay_same_launch", same_launch))}}
+                ("snapshot", snapshot), ("replay", replay), ("replay_same_launch", same_launch),
+                ("saved", saved), ("saved_same_launch", saved_same_launch))}}
 
 
 def run_case(module, scatter, shape, spec, gen, device, timer=None):
@@ -288,7 +367,8 @@ def run_case(module, scatter, shape, spec, gen, device, timer=None):
     found = exactness(paths)
     row = {"bs": bs, "width": width, "accepted": accepted, "accepted_tokens": sum(lengths), **found,
            "exact": exact(found), "value_tiles": value_tiles(module, shape, bs, width),
-           "bytes_written": bytes_written(shape, bs, width, sum(lengths))}
+           "bytes_written": bytes_written(shape, bs, width, sum(lengths), sum(n < width for n in lengths),
+                                          sum(n for n in lengths if n < width))}
     if timer:
         t = timer(paths)
         row.update(t, **path_totals(t, shape.gdn_layers))
@@ -317,15 +397,18 @@ def int_list(text):
 def markdown_table(report):
     layers = report["shape"]["gdn_layers"]
     head = ("| bs | w | accepted | A verify | A commit | B verify | B record | C gather | C commit | B' verify "
-            "| C' commit | A step ms | B+C step ms | B'+C' step ms | A / (B+C) | A / (B'+C') | exact |")
-    lines = [f"µs a layer (A snapshot, B output only, C replay; ' = same launch); step = x {layers} GDN layers",
+            "| C' commit | A step ms | B+C step ms | B'+C' step ms | D step ms | D' step ms | A / (B+C) "
+            "| A / (B'+C') | A / D | A / D' | exact |")
+    lines = [f"µs a layer (A snapshot, B output only, C replay, D saved state; ' = same launch); "
+             f"step = x {layers} GDN layers",
              head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["cases"]:
         cells = [r["bs"], r["width"], r["accepted"], r["snapshot_verify_us"], r["snapshot_commit_us"],
                  r["output_only_verify_us"], r["record_copy_us"], r["replay_gather_us"], r["replay_commit_us"],
                  r["output_only_verify_same_launch_us"], r["replay_commit_same_launch_us"],
                  r["step_ms"]["snapshot"], r["step_ms"]["replay"], r["step_ms"]["replay_same_launch"],
-                 r["ratio"], r["ratio_same_launch"], "yes" if r["exact"] else "NO"]
+                 r["step_ms"]["saved"], r["step_ms"]["saved_same_launch"], r["ratio"], r["ratio_same_launch"],
+                 r["ratio_saved"], r["ratio_saved_same_launch"], "yes" if r["exact"] else "NO"]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
 
@@ -373,7 +456,8 @@ def main():
         "snapshot_commit_copy": ("fused_mamba_state_scatter_with_mask" if scatter else
                                  "torch index copy (SGLang's scatter kernel takes CUDA tensors only)"),
         "units": "*_us: GPU microseconds a layer, median; step_ms: a layer x gdn_layers; bytes_written: a layer; "
-                 "ratio: snapshot_total_us / replay_total_us (above 1: the replay path is faster)",
+                 "ratio: snapshot_total_us / replay_total_us, ratio_saved: snapshot_total_us / saved_total_us "
+                 "(above 1: the snapshot-free path is faster)",
         "cases": [],
     }
     timer = None
@@ -395,7 +479,8 @@ def main():
             json.dump(report, f, indent=1)
         say(f"bs {row['bs']} w {row['width']} accepted {row['accepted']}: "
             + ("exact" if row["exact"] else "DIFFERENT")
-            + (f", snapshot {row['snapshot_total_us']} us vs replay {row['replay_total_us']} us a layer"
+            + (f", snapshot {row['snapshot_total_us']} us vs replay {row['replay_total_us']} us, "
+               f"saved state {row['saved_total_us']} us a layer"
                if timer else ""))
         if on_gpu:
             torch.cuda.empty_cache()
@@ -404,7 +489,7 @@ def main():
     if not args.check:
         print(markdown_table(report))
     if different:
-        message = (f"gdn_verify_bench: replay differs from the snapshot path in {len(different)} case(s): "
+        message = (f"gdn_verify_bench: replay or saved state differs from the snapshot path in {len(different)} case(s): "
                    + "; ".join(different))
         if args.check:
             sys.exit(message)

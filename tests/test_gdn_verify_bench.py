@@ -2,10 +2,11 @@
 SGLang's snapshot verify, on the CPU.
 
 lab/gdn_verify_bench.py --check runs the installed release's ``fused_sigmoid_gating_delta_rule_update``
-under the Triton interpreter three ways on a small shape: the verify with per-token snapshots and the
-commit copy of the accepted one (SGLang's way), the verify without snapshots, and the same kernel
-re-run over each request's accepted tokens into its state slot. Outputs and committed state pools
-must be the same bits, in every case.
+under the Triton interpreter on a small shape: the verify with per-token snapshots and the commit copy
+of the accepted one (SGLang's way); the verify without snapshots and the same kernel re-run over each
+request's accepted tokens into its state slot; and the verify in place from a saved copy of each state,
+with only the requests that accepted less than the block re-run from their copy. Outputs and committed
+state pools must be the same bits, in every case.
 """
 
 import json
@@ -30,5 +31,6 @@ def test_replaying_the_accepted_tokens_commits_the_snapshot_verifys_states_bit_f
     for c in cases:
         for suffix in ("", "_same_launch"):
             assert c["outputs_equal" + suffix] and c["states_equal" + suffix], c
+            assert c["saved_outputs_equal" + suffix] and c["saved_states_equal" + suffix], c
             assert not c["output_only_wrote_state" + suffix], c
         assert c["same_launch_snapshot_unwritten"], c
