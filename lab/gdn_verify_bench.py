@@ -244,8 +244,17 @@ def max_abs_difference(x, y):
     return (x.double() - y.double()).abs().nan_to_num(float("inf")).max().item()
 
 
+def compare(found, prefix, suffix, out, pool, out_a, pool_a):
+    """Outputs and committed pool against A's, bitwise, as ``found[prefix + "outputs_equal" + suffix]``..."""
+    for what, x, y in (("outputs", out, out_a), ("states", pool, pool_a)):
+        equal = torch.equal(x, y)
+        found[f"{prefix}{what}_equal{suffix}"] = equal
+        if not equal:
+            found[f"{prefix}{what}_max_abs_difference{suffix}"] = max_abs_difference(x, y)
+
+
 def exactness(paths):
-    """A's outputs and committed pool against B's and C's (plain and same launch), bitwise."""
+    """A's outputs and committed pool against B's and C's and D's (plain and same launch), bitwise."""
     c = paths.c
     pool_a = c.pool0.clone()
     out_a = paths.snapshot_verify(pool_a)
@@ -258,21 +267,13 @@ def exactness(paths):
         paths.record_copy()
         paths.replay_gather()
         paths.replay_commit(pool, same_launch)
-        for what, x, y in (("outputs", out, out_a), ("states", pool, pool_a)):
-            equal = torch.equal(x, y)
-            found[f"{what}_equal{suffix}"] = equal
-            if not equal:
-                found[f"{what}_max_abs_difference{suffix}"] = max_abs_difference(x, y)
+        compare(found, "", suffix, out, pool, out_a, pool_a)
         pool = c.pool0.clone()
         paths.saved_copy(pool)
         out = paths.in_place_verify(pool, same_launch)
         paths.record_copy()
         paths.saved_commit(pool, same_launch)
-        for what, x, y in (("outputs", out, out_a), ("states", pool, pool_a)):
-            equal = torch.equal(x, y)
-            found[f"saved_{what}_equal{suffix}"] = equal
-            if not equal:
-                found[f"saved_{what}_max_abs_difference{suffix}"] = max_abs_difference(x, y)
+        compare(found, "saved_", suffix, out, pool, out_a, pool_a)
     found["same_launch_snapshot_unwritten"] = bool(c.unwritten_snapshot.isnan().all())
     return found
 
