@@ -64,6 +64,9 @@ def saved_state_unserved(attn_backend) -> Optional[str]:
         return "a snapshot buffer of fewer than two steps, or not contiguous"
     if getattr(cache, "replayssm_rawv", None) is not None or getattr(cache, "replayssm_d", None) is not None:
         return "--enable-linear-replayssm-spec"
+    side = getattr(pool, "short_conv_pool", None)
+    if side is not None and getattr(side, "conv_state", None) is not None:
+        return "a short-conv side state (SGLang's commit rolls it forward)"
     return None
 
 

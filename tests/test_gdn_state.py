@@ -57,6 +57,9 @@ def test_what_keeps_the_snapshots_is_named():
     assert "fewer than two steps" in gdn_state.saved_state_unserved(fake_backend(snapshots=(2, 3, 1, 1, 2, 2)))
     assert gdn_state.saved_state_unserved(fake_backend(replayssm_d=torch.zeros(1))) == "--enable-linear-replayssm-spec"
     backend = fake_backend()
+    backend.linear_attn_backend.req_to_token_pool.short_conv_pool = SimpleNamespace(conv_state=torch.zeros(1))
+    assert "short-conv side state" in gdn_state.saved_state_unserved(backend)
+    backend = fake_backend()
     backend.linear_attn_backend.req_to_token_pool.mamba_pool.mamba_cache.intermediate_ssm = None
     assert "no per-token state snapshots" in gdn_state.saved_state_unserved(backend)
 
