@@ -768,18 +768,11 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
 
     def prepare_decode_track(self, batch) -> None:
         """Before a hybrid width-1 DECODE: the track slots as the scheduler holds them now, where
-        some request may reach a track boundary (:func:`decode_may_reach_track`), else none at all,
+        some request may reach a track boundary (:meth:`may_reach_track`), else none at all,
         so that :meth:`track_decoded_state` launches nothing: on most steps neither the slots'
         rebuild nor the copy runs, a width-1 step being host-bound. Either way the extend-time
-        track fields are cleared. The host lengths are the batch's, or where the overlap schedule
-        dropped them (no backend asks for them) those the draft input reserved from; a lazy track
-        plan or no host lengths at all: the slots every step."""
-        lazy_plan = getattr(batch, "mamba_lazy_spec_track_positions_cpu", None) is not None
-        committed = batch.seq_lens_cpu
-        if committed is None:
-            committed = self.release.committed_lens_cpu(batch.spec_info, len(batch.seq_lens))
-        if lazy_plan or committed is None or decode_may_reach_track(
-                committed, self.release.mamba_track_interval(batch), self.block_size):
+        track fields are cleared."""
+        if self.may_reach_track(batch):
             prepare_mamba_track_for_verify(batch)
             self.decode_track["prepared"] += 1
         else:
@@ -787,6 +780,18 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             batch.mamba_track_indices = None
             batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = None
         batch.mamba_track_mask = None
+
+    def may_reach_track(self, batch) -> bool:
+        """Whether this step may bring some request to a track boundary (:func:`decode_may_reach_track`),
+        read from the host lengths: the batch's, or where the overlap schedule dropped them those the
+        draft input reserved from. A lazy track plan, or no host lengths at all: yes."""
+        if getattr(batch, "mamba_lazy_spec_track_positions_cpu", None) is not None:
+            return True
+        committed = batch.seq_lens_cpu
+        if committed is None:
+            committed = self.release.committed_lens_cpu(batch.spec_info, len(batch.seq_lens))
+        return committed is None or decode_may_reach_track(committed, self.release.mamba_track_interval(batch),
+                                                           self.block_size)
 
     def graphs_wrote_context(self, runner, ran_graph: bool) -> bool:
         """Whether the target forward that just ran wrote the draft context (:class:`ContextInVerifyGraph`)."""
@@ -863,7 +868,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
         if self.gdn_saved is not None:
             linear = backend.linear_attn_backend
-            track = batch.mamba_track_indices
+            # no boundary within reach: no track re-run (a launch a layer) at all
+            track = batch.mamba_track_indices if steps_to_track is not None and self.may_reach_track(batch) else None
             self.gdn_saved.commit(
                 linear.forward_metadata.mamba_cache_indices[: len(batch.seq_lens)], accepted.commit_len, width,
                 None if track is None else linear._translate_mamba_indices(track), steps_to_track)
