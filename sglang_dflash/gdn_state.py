@@ -29,7 +29,6 @@ import torch
 
 KERNEL_MODULES = ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent",  # 0.5.23
                   "sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent")  # 0.5.17-0.5.22
-SCATTER_MODULE = "sglang.kernels.ops.mamba.mamba_state_scatter_triton"
 INPUTS = ("k", "v", "a", "b")  # the commit passes k as q too: q feeds the outputs, never the state
 ALIGN = 256  # bytes, between the kept inputs
 # Warm-up and padded batches may run more verify rows than the snapshot buffer holds (SGLang clamps

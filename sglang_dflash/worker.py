@@ -320,7 +320,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self._fix_the_block("not with FlashInfer's gated-delta-net verify: untested below the block's width")
         if self.ragged:  # before the target captures its verify graphs
             self.release.enable_ragged_verify(self.model_runner.attn_backend)
-        if self.hybrid_gdn and gdn_state_mode() == "saved":
+        if gdn_state_mode() == "saved" and self.hybrid_gdn:  # the name checked on every target
             self._keep_saved_states(self.model_runner.attn_backend)
         self._draft_worker.init_attention_backends()
         # Before either captures its graphs; the narrower widths' backends are routed as built.
