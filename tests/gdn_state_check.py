@@ -1,7 +1,9 @@
-"""Run by tests/test_gdn_state.py under the Triton interpreter (TRITON_INTERPRET=1, set before SGLang's
-kernels are imported): the plugin's GDN verify without snapshots (sglang_dflash/gdn_state.py) against
-SGLang's snapshot verify and commit, over steps of changing width, accept lengths, track boundaries
-and a padded row. Prints one JSON line: per step, whether outputs and the whole state pool are equal."""
+"""Run by tests/test_gdn_state.py: the plugin's GDN verify without snapshots (sglang_dflash/gdn_state.py)
+against SGLang's snapshot verify and commit, over steps of changing width, accept lengths, track
+boundaries and padded rows. Prints one JSON line: per step, whether outputs and the whole state pool
+are equal. On the CPU under the Triton interpreter (TRITON_INTERPRET=1, set before SGLang's kernels
+are imported); with ``cuda`` as its argument on a GPU, where the commit's restore runs through
+SGLang's scatter kernel and the verify in its SM90 launch."""
 
 import json
 import sys
@@ -11,19 +13,21 @@ import torch
 
 from sglang_dflash.gdn_state import GdnSavedState, recurrent_kernel
 
-LAYERS, HV, H, K, V = 2, 4, 2, 32, 32
+DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+LAYERS, HV, H = 2, 4, 2
+K = V = 128 if DEVICE == "cuda" else 32  # 128: the real head size, and SGLang's SM90 verify tile
 SLOTS, ROWS, STEPS = 11, 6, 4  # slot 0: SGLang's padding slot
 
 
 def gdn_inputs(gen, tokens):
-    randn = lambda *size: torch.randn(*size, generator=gen).to(torch.bfloat16)  # noqa: E731
+    randn = lambda *size: torch.randn(*size, generator=gen).to(DEVICE, torch.bfloat16)  # noqa: E731
     return [dict(q=randn(1, tokens, H, K), k=randn(1, tokens, H, K), v=randn(1, tokens, HV, V),
                  a=randn(tokens, HV), b=randn(tokens, HV)) for _ in range(LAYERS)]
 
 
 def snapshot_step(kernel, gates, pool, snapshots, inputs, cache_indices, starts, width):
     """SGLang's verify: per-token snapshots, the pool untouched."""
-    rows = torch.arange(cache_indices.shape[0], dtype=torch.int32).clamp(max=ROWS - 1)  # SGLang's padding row
+    rows = torch.arange(cache_indices.shape[0], dtype=torch.int32, device=DEVICE).clamp(max=ROWS - 1)  # padding row
     outs = []
     for layer, x in enumerate(inputs):
         A_log, dt_bias = gates[layer]
@@ -45,15 +49,15 @@ def snapshot_commit(pool, snapshots, slots, commit_len, track_slots, steps_to_tr
 def main():
     gen = torch.Generator().manual_seed(0)
     kernel = recurrent_kernel()
-    gates = [(torch.log(torch.rand(HV, generator=gen) * 15 + 1), torch.randn(HV, generator=gen).to(torch.bfloat16))
-             for _ in range(LAYERS)]
-    pool0 = torch.randn(LAYERS, SLOTS, HV, V, K, generator=gen) * 0.1
+    gates = [(torch.log(torch.rand(HV, generator=gen) * 15 + 1).to(DEVICE),
+              torch.randn(HV, generator=gen).to(DEVICE, torch.bfloat16)) for _ in range(LAYERS)]
+    pool0 = (torch.randn(LAYERS, SLOTS, HV, V, K, generator=gen) * 0.1).to(DEVICE)
     reference, plugin = pool0.clone(), pool0.clone()
-    snapshots = torch.zeros(LAYERS, ROWS, STEPS, HV, V, K)
-    cache = SimpleNamespace(temporal=plugin, intermediate_ssm=torch.zeros(LAYERS, ROWS, STEPS, HV, V, K),
+    snapshots = torch.zeros(LAYERS, ROWS, STEPS, HV, V, K, device=DEVICE)
+    cache = SimpleNamespace(temporal=plugin, intermediate_ssm=torch.zeros(LAYERS, ROWS, STEPS, HV, V, K, device=DEVICE),
                             conv=[], intermediate_conv_window=[])
     saved = GdnSavedState(cache)
-    t = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    t = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     # (width, cache indices as the verify reads them, commit lengths, track slots, steps to track)
     steps = [
         (4, t(3, 7, 5), t(1, 3, 4), t(9, 2, 10), t(-1, 1, 3)),  # short, short crossing at step 1, whole crossing at 3
@@ -66,7 +70,7 @@ def main():
     found = []
     for width, cache_indices, commit_len, track_slots, steps_to_track in steps:
         verify_rows = cache_indices.shape[0]
-        starts = torch.arange(0, verify_rows * width + 1, width, dtype=torch.int32)
+        starts = torch.arange(0, verify_rows * width + 1, width, dtype=torch.int32, device=DEVICE)
         inputs = gdn_inputs(gen, verify_rows * width)
         out_ref = snapshot_step(kernel, gates, reference, snapshots, inputs, cache_indices, starts, width)
         out = [saved.verify(*gates[layer], **x, ssm_states=plugin[layer], cache_indices=cache_indices,

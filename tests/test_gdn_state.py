@@ -32,6 +32,14 @@ def test_the_saved_state_commits_the_snapshot_verifys_states_bit_for_bit():
     assert all(s["outputs_equal"] and s["states_equal"] and s["states_moved"] for s in steps), steps
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_too_through_sglangs_scatter_and_its_launch():
+    out = subprocess.run([sys.executable, "-m", "tests.gdn_state_check", "cuda"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert len(json.loads(out.stdout.strip().splitlines()[-1])) == 6
+
+
 def test_the_mode_is_named_or_refused_in_one_line(monkeypatch):
     monkeypatch.delenv(GDN_STATE_ENV, raising=False)
     assert gdn_state_mode() == "snapshots"
