@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 KERNEL_MODULES = ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent",  # 0.5.23
                   "sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent")  # 0.5.17-0.5.22
@@ -63,10 +64,21 @@ def saved_state_unserved(attn_backend) -> Optional[str]:
         return "a snapshot buffer of fewer than two steps, or not contiguous"
     if getattr(cache, "replayssm_rawv", None) is not None or getattr(cache, "replayssm_d", None) is not None:
         return "--enable-linear-replayssm-spec"
-    side = getattr(pool, "short_conv_pool", None)
-    if side is not None and getattr(side, "conv_state", None) is not None:
-        return "a short-conv side state (SGLang's commit rolls it forward)"
+    for side, field in (("short_conv_pool", "conv_state"), ("ngram_pool", "context")):
+        if getattr(getattr(pool, side, None), field, None) is not None:
+            return f"a side state beside the recurrent one ({side}; SGLang's commit rolls it forward)"
+    if pp_spec_stable_rows():
+        return "SGLANG_ENABLE_PP_SPEC (verify scratch rows by request, not by batch row)"
     return None
+
+
+def pp_spec_stable_rows() -> bool:
+    """SGLang 0.5.22+: whether verify scratch rows follow request pool indices (pipeline parallelism)."""
+    try:
+        from sglang.srt.layers.attention.linear.utils import pp_spec_stable_rows_enabled
+    except ImportError:
+        return False
+    return bool(pp_spec_stable_rows_enabled())
 
 
 class GdnSavedState:
@@ -146,10 +158,11 @@ class GdnSavedState:
 
     # ---- commit (eager) ------------------------------------------------------------------
 
-    def commit(self, slots, commit_len, width: int, track_slots=None, steps_to_track=None) -> None:
-        """After a verify of ``width`` tokens a request: ``slots`` are the rows' state slots (as
-        the verify read them), ``commit_len`` their committed tokens (1..width); ``track_slots`` and
-        ``steps_to_track`` (-1: none) as SGLang's commit takes them."""
+    def commit(self, slots, commit_len, width: int, verify_rows: int, track_slots=None, steps_to_track=None) -> None:
+        """After a verify of ``width`` tokens a request over ``verify_rows`` rows (the batch, padded
+        to its graph's size): ``slots`` are the batch's state slots (as the verify read them),
+        ``commit_len`` their committed tokens (1..width); ``track_slots`` and ``steps_to_track``
+        (-1: none) as SGLang's commit takes them."""
         last_steps = commit_len.to(torch.int64) - 1
         self._commit_conv_windows(slots, last_steps, track_slots, steps_to_track)
         bs = slots.shape[0]
@@ -159,11 +172,11 @@ class GdnSavedState:
             crossed = (steps_to_track >= 0) & (track_slots >= 0)
             self._restore(track_slots, crossed)
             self._replay(lambda layer: temporal[layer], torch.where(crossed, track_slots.to(torch.int32), -1),
-                         torch.where(crossed, steps_to_track + 1, 0), width)
+                         torch.where(crossed, steps_to_track + 1, 0), width, verify_rows)
         short = commit_len < width
         saved = self.saved()
         self._replay(lambda layer: saved[layer], torch.where(short, rows, -1), torch.where(short, commit_len, 0),
-                     width)
+                     width, verify_rows)
         self._restore(slots, short)
 
     def _commit_conv_windows(self, slots, last_steps, track_slots, steps_to_track) -> None:
@@ -175,10 +188,13 @@ class GdnSavedState:
                                     intermediate_conv_window=self.cache.intermediate_conv_window)
         scatter_mamba_states_after_mtp_verify(conv_only, slots, last_steps, track_slots, steps_to_track)
 
-    def _replay(self, states_of, indices, lengths, width: int) -> None:
+    def _replay(self, states_of, indices, lengths, width: int, verify_rows: int) -> None:
         """Re-run each row's first ``lengths`` verify tokens from ``states_of(layer)[indices]``, in
-        place; rows of index -1 and length 0 are untouched."""
-        bs = indices.shape[0]
+        place; rows of index -1 and length 0 are untouched. Over as many rows as the verify ran:
+        SGLang 0.5.22+ picks the kernel's value tile from the row count (SM90, at most 64 rows)."""
+        pad = verify_rows - indices.shape[0]
+        indices, lengths = F.pad(indices, (0, pad), value=-1), F.pad(lengths, (0, pad))
+        bs = verify_rows
         device = indices.device
         starts = torch.zeros(bs + 1, dtype=torch.int32, device=device)
         starts[1:] = torch.cumsum(lengths, 0)

@@ -868,10 +868,14 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
         if self.gdn_saved is not None:
             linear = backend.linear_attn_backend
+            if getattr(linear.kernel_dispatcher, "_dflash_saved_state", None) is not self.gdn_saved:
+                raise RuntimeError(f"DFLASH: the width-{width} verify ran without the saved recurrent states")
             # no boundary within reach: no track re-run (a launch a layer) at all
             track = batch.mamba_track_indices if steps_to_track is not None and self.may_reach_track(batch) else None
+            metadata = linear.forward_metadata  # the verify's: its slots, and its rows padded to the graph's
             self.gdn_saved.commit(
-                linear.forward_metadata.mamba_cache_indices[: len(batch.seq_lens)], accepted.commit_len, width,
+                metadata.mamba_cache_indices[: len(batch.seq_lens)], accepted.commit_len, width,
+                metadata.query_start_loc.shape[0] - 1,
                 None if track is None else linear._translate_mamba_indices(track), steps_to_track)
             return
         backend.update_mamba_state_after_mtp_verify(

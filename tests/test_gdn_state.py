@@ -2,9 +2,9 @@
 SGLANG_DFLASH_GDN_STATE=saved).
 
 tests/gdn_state_check.py runs the installed release's recurrent kernel under the Triton interpreter,
-the plugin's way and SGLang's, over six steps: widths 4, 2, 4, 1, 4, 2, short and whole accepts, track
-boundaries crossed (also by a whole accept, and by a row without a track slot), a padded verify row,
-and a verify padded past the snapshot buffer's rows. Outputs and the whole state pool must be the same bits after every step.
+the plugin's way and SGLang's, over seven steps: widths 4, 2, 4, 1, 4, 2, 2, short and whole accepts,
+track boundaries crossed (also by a whole accept, and by a row without a track slot), a padded verify
+row, a verify padded past the snapshot buffer's rows and one padded past 64 rows. Outputs and the whole state pool must be the same bits after every step.
 """
 
 import json
@@ -28,7 +28,7 @@ def test_the_saved_state_commits_the_snapshot_verifys_states_bit_for_bit():
                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     steps = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [s["width"] for s in steps] == [4, 2, 4, 1, 4, 2]
+    assert [s["width"] for s in steps] == [4, 2, 4, 1, 4, 2, 2]
     assert all(s["outputs_equal"] and s["states_equal"] and s["states_moved"] for s in steps), steps
 
 
@@ -37,7 +37,7 @@ def test_on_the_gpu_too_through_sglangs_scatter_and_its_launch():
     out = subprocess.run([sys.executable, "-m", "tests.gdn_state_check", "cuda"], cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert len(json.loads(out.stdout.strip().splitlines()[-1])) == 6
+    assert len(json.loads(out.stdout.strip().splitlines()[-1])) == 7
 
 
 def test_the_mode_is_named_or_refused_in_one_line(monkeypatch):
@@ -64,12 +64,22 @@ def test_what_keeps_the_snapshots_is_named():
     assert gdn_state.saved_state_unserved(fake_backend(flashinfer=True)) == "FlashInfer's gated-delta-net verify"
     assert "fewer than two steps" in gdn_state.saved_state_unserved(fake_backend(snapshots=(2, 3, 1, 1, 2, 2)))
     assert gdn_state.saved_state_unserved(fake_backend(replayssm_d=torch.zeros(1))) == "--enable-linear-replayssm-spec"
-    backend = fake_backend()
-    backend.linear_attn_backend.req_to_token_pool.short_conv_pool = SimpleNamespace(conv_state=torch.zeros(1))
-    assert "short-conv side state" in gdn_state.saved_state_unserved(backend)
+    for side, field in (("short_conv_pool", "conv_state"), ("ngram_pool", "context")):
+        backend = fake_backend()
+        setattr(backend.linear_attn_backend.req_to_token_pool, side, SimpleNamespace(**{field: torch.zeros(1)}))
+        assert f"a side state beside the recurrent one ({side};" in gdn_state.saved_state_unserved(backend)
+        setattr(backend.linear_attn_backend.req_to_token_pool, side, SimpleNamespace(**{field: None}))
+        assert gdn_state.saved_state_unserved(backend) is None
     backend = fake_backend()
     backend.linear_attn_backend.req_to_token_pool.mamba_pool.mamba_cache.intermediate_ssm = None
     assert "no per-token state snapshots" in gdn_state.saved_state_unserved(backend)
+
+
+def test_pipeline_parallel_scratch_rows_keep_the_snapshots(monkeypatch):
+    monkeypatch.setattr(gdn_state, "pp_spec_stable_rows", lambda: True)
+    assert "SGLANG_ENABLE_PP_SPEC" in gdn_state.saved_state_unserved(fake_backend())
+    monkeypatch.undo()
+    assert gdn_state.pp_spec_stable_rows() is False  # off unless asked for, and absent before 0.5.22
 
 
 def test_a_tree_verify_keeps_sglangs_snapshot_verify():

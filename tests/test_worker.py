@@ -1649,21 +1649,27 @@ def test_with_saved_states_the_commit_replays_through_the_verifying_widths_slots
     interval = 4
     worker.release = SimpleNamespace(mamba_track_interval=lambda batch: interval)
     worker.block_size = 8
-    linear = SimpleNamespace(forward_metadata=SimpleNamespace(mamba_cache_indices=torch.tensor([5, 2, 9, -1])),
-                             _translate_mamba_indices=lambda t: t + 100)
+    metadata = SimpleNamespace(mamba_cache_indices=torch.tensor([5, 2, 9, -1]),
+                               query_start_loc=torch.arange(0, 33, 8))  # the graph's 4 rows
+    linear = SimpleNamespace(forward_metadata=metadata, _translate_mamba_indices=lambda t: t + 100,
+                             kernel_dispatcher=SimpleNamespace(_dflash_saved_state=worker.gdn_saved))
     worker.width_pairs = {8: (SimpleNamespace(linear_attn_backend=linear), None)}
     batch = SimpleNamespace(seq_lens=torch.tensor([2, 3, 6]), seq_lens_cpu=torch.tensor([2, 3, 6]),
                             mamba_track_indices=torch.tensor([1, 2, 3]))
     accepted = SimpleNamespace(commit_len=torch.tensor([1, 2, 2]))
     DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
-    (slots, commit_len, width, track_slots, steps_to_track), = seen
-    assert slots.tolist() == [5, 2, 9] and commit_len is accepted.commit_len and width == 8
+    (slots, commit_len, width, verify_rows, track_slots, steps_to_track), = seen
+    assert slots.tolist() == [5, 2, 9] and commit_len is accepted.commit_len and (width, verify_rows) == (8, 4)
     assert track_slots.tolist() == [101, 102, 103]
     assert steps_to_track.tolist() == [-1, 0, 1]  # 2+1 crosses nothing; 3+2 crosses 4 at step 0; 6+2 crosses 8 at 1
     # No boundary within two blocks of any host length (the host lags a step): no track re-run at all.
     interval, seen[:] = 256, []
     DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
-    assert seen[0][3] is None
+    assert seen[0][4] is None
+    # A width whose verify did not go through the saved states would leave stale states: it stops.
+    linear.kernel_dispatcher._dflash_saved_state = None
+    with pytest.raises(RuntimeError, match="the width-8 verify ran without the saved recurrent states"):
+        DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
 
 
 def test_saved_states_asked_for_where_they_cannot_serve_stop_the_server(monkeypatch):
