@@ -861,8 +861,11 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         copy a crossed track boundary's into the radix cache's track slot.
         Through the backend of the width that ran the verify: the state slots are read from its
         metadata, and another width's backend still holds those of the last batch it ran."""
+        track = batch.mamba_track_indices
+        if track is not None and self.gdn_saved is not None and not self.may_reach_track(batch):
+            track = None  # no boundary within reach: no track re-run (a launch a layer) at all
         steps_to_track = None
-        if batch.mamba_track_indices is not None:
+        if track is not None:
             interval = self.release.mamba_track_interval(batch)
             steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, interval)
         backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
@@ -870,8 +873,6 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             linear = backend.linear_attn_backend
             if getattr(linear.kernel_dispatcher, "_dflash_saved_state", None) is not self.gdn_saved:
                 raise RuntimeError(f"DFLASH: the width-{width} verify ran without the saved recurrent states")
-            # no boundary within reach: no track re-run (a launch a layer) at all
-            track = batch.mamba_track_indices if steps_to_track is not None and self.may_reach_track(batch) else None
             metadata = linear.forward_metadata  # the verify's: its slots, and its rows padded to the graph's
             self.gdn_saved.commit(
                 metadata.mamba_cache_indices[: len(batch.seq_lens)], accepted.commit_len, width,
@@ -880,7 +881,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             return
         backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
-            mamba_track_indices=batch.mamba_track_indices,
+            mamba_track_indices=track,
             mamba_steps_to_track=steps_to_track,
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,
