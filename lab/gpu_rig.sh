@@ -14,8 +14,8 @@
 # LIGHT=1 traces without Python stacks: kernel time, and where the GPU sits idle and why (with WAVE=1,
 # both servers over the same context lengths; steady mode starts each trace at a context of its own);
 # LIGHT=both traces each level both ways on one server, light first (cN-light, then cN).
-# MAX_NEW=N (steady profile): each request's length (default 2048; at τ ≈ 1 and c1 a longer one keeps
-# an admission out of the 20 traced steps).
+# MAX_NEW=N: each request's length. Steady profile: default 2048 (at τ ≈ 1 and c1 a longer one keeps
+# an admission out of the 20 traced steps). Bench: default 256 (1024 weighs a wave by its decode).
 # PREFILL_GRAPHS=N: prefills from SGLang's breakable graphs (its default) up to N tokens (default 4096); off: eagerly.
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 # BUDGET=SECONDS (bench): --time-budget, set 30-60 s below the call's limit: a later server starts only if
@@ -58,7 +58,7 @@ case $mode in
             --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
     bench)
         python3 -m sglang_dflash.bench.sweep --rig "$weights" $rig_shape --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
-            --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens 256 \
+            --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens "${MAX_NEW:-256}" \
             $([ "${PIN:-0}" = 1 ] && echo --pin-cpus) ${BUDGET:+--time-budget $BUDGET} ${MEASURE:+--measure-seconds $MEASURE} \
             ${LATER_START:+--later-start-seconds $LATER_START} \
             --kv-cache-gb "$kv_gb" --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
