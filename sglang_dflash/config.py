@@ -46,11 +46,6 @@ HALF_VERIFY_LOGITS_ENV = "SGLANG_DFLASH_HALF_VERIFY_LOGITS"
 # 0 = a hybrid target's width-1 step stays a 1-token verify whose recurrent state is committed from
 # the verify's scratch, not a plain DECODE that advances the state in place (A/B runs).
 HYBRID_DECODE_ENV = "SGLANG_DFLASH_HYBRID_DECODE"
-# How a hybrid target's gated-delta-net verify keeps the recurrent state for the commit: "snapshots"
-# (SGLang's: a full state per verify token) or "saved" (a copy of each state before the verify, the
-# verify in place, the short accepts re-run at commit: gdn_state.py). Measured before it is the default.
-GDN_STATE_ENV = "SGLANG_DFLASH_GDN_STATE"
-GDN_STATE_MODES = ("snapshots", "saved")
 # The verify widths a step may choose. Unset: B, B/2, ..., 1 (adaptive) wherever that serves, else
 # the fixed block; "auto": adaptive or a start-up error saying why not; "fixed": the block alone; or
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
@@ -121,13 +116,6 @@ def half_verify_logits() -> bool:
 
 def hybrid_decode() -> bool:
     return os.environ.get(HYBRID_DECODE_ENV, "1") != "0"
-
-
-def gdn_state_mode() -> str:
-    mode = os.environ.get(GDN_STATE_ENV, "snapshots").strip().lower() or "snapshots"
-    if mode not in GDN_STATE_MODES:
-        raise DFlashConfigError(GDN_STATE_ENV, f"{mode!r} is not one of {', '.join(GDN_STATE_MODES)}")
-    return mode
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:

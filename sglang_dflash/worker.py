@@ -68,18 +68,15 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
-from .config import (DRAFT_VOCAB_ENV, GDN_STATE_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
-                     TargetInfo, context_in_verify_graph, draft_fallback, draft_vocab_rows, gdn_state_mode,
-                     half_verify_logits, hybrid_decode, ragged_verify, verify_widths, widths_by_default,
-                     width_policy_kind)
+from .config import (DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
+                     context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, hybrid_decode, ragged_verify,
+                     verify_widths, widths_by_default, width_policy_kind)
 from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, length_sets_report, make_draft_input
 from .fallback import make_fallback
-from .gdn_state import GdnSavedState, saved_state_unserved
-from .gdn_state import install as install_saved_state
 from .host_pauses import StepStalls, call_shape, host_phase, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
@@ -132,8 +129,6 @@ def decode_may_reach_track(committed_cpu: torch.Tensor, interval: int, block_siz
 
 class DFlashWorker(DraftContext, BaseSpecWorker):
     """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
-
-    gdn_saved: Optional[GdnSavedState] = None  # GDN verify without state snapshots (gdn_state.py)
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
         super().__init__()  # ``ps`` (parallel state) comes up to SGLang 0.5.20 only
@@ -320,29 +315,12 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self._fix_the_block("not with FlashInfer's gated-delta-net verify: untested below the block's width")
         if self.ragged:  # before the target captures its verify graphs
             self.release.enable_ragged_verify(self.model_runner.attn_backend)
-        if gdn_state_mode() == "saved" and self.hybrid_gdn:  # the name checked on every target
-            self._keep_saved_states(self.model_runner.attn_backend)
         self._draft_worker.init_attention_backends()
         # Before either captures its graphs; the narrower widths' backends are routed as built.
         routed = [route_block_attention(mr.attn_backend) for mr in (self.model_runner, self.draft_model_runner)]
         if any(routed) and get_parallel().tp_rank == 0:
             logger.info("DFLASH block attention: the %s on the plugin's block kernel",
                         " and ".join(n for n, r in zip(("target's verify", "draft"), routed) if r))
-
-    def _keep_saved_states(self, attn_backend) -> None:
-        """The GDN verify without per-token state snapshots, asked for by name: served or a start-up error."""
-        why = "not with the ragged verify" if self.ragged else saved_state_unserved(attn_backend)
-        if why is not None:
-            raise DFlashConfigError(GDN_STATE_ENV, f"saved: {why}")
-        self.gdn_saved = GdnSavedState(attn_backend.linear_attn_backend.req_to_token_pool.mamba_pool.mamba_cache)
-        install_saved_state(attn_backend, self.gdn_saved)
-        if get_parallel().tp_rank == 0:
-            logger.info("DFLASH gated-delta-net verify: states saved before the verify, no per-token snapshots")
-
-    def _on_width_backend(self, attn_backend) -> None:
-        route_block_attention(attn_backend)
-        if self.gdn_saved is not None:
-            install_saved_state(attn_backend, self.gdn_saved)
 
     def init_cuda_graphs(self):
         graphs = get_exec().graph.cuda_graph_config.decode
@@ -383,8 +361,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                 logger.info("DFLASH width 1 on this hybrid target: %s", self.width_one_step)
         self.width_pairs.update(
             self.release.build_width_runners(mr, self.widths[1:], capture, decode_width_one=self.width_one_decodes,
-                                             on_backend=route_block_attention if self.gdn_saved is None
-                                             else self._on_width_backend))
+                                             on_backend=route_block_attention))
         logger.info("DFLASH verify widths %s (%s policy)", list(self.widths), type(self.width_policy).__name__)
 
     def _hybrid_decode_unserved(self, attn_backend) -> Optional[str]:
@@ -412,7 +389,6 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if self.hybrid:
             info["decode_track"] = dict(self.decode_track)
             info["width_one_step"] = self.width_one_step
-            info["gdn_state"] = "snapshots" if self.gdn_saved is None else "saved"  # gdn_state.py
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
         if self.draft_head is not None and self.draft_head.rows_read is not None:
@@ -856,32 +832,18 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
 
     @host_phase("state")
     def commit_recurrent_state(self, batch, accepted: Accepted, width: int) -> None:
-        """Hybrid targets: the verify kept each step's linear-attention state aside (or, with
-        :data:`GDN_STATE_ENV` ``saved``, the state before it); keep the last committed step's, and
-        copy a crossed track boundary's into the radix cache's track slot.
+        """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
+        committed step's, and copy a crossed track boundary's into the radix cache's track slot.
         Through the backend of the width that ran the verify: the state slots are read from its
         metadata, and another width's backend still holds those of the last batch it ran."""
-        track = batch.mamba_track_indices
-        if track is not None and self.gdn_saved is not None and not self.may_reach_track(batch):
-            track = None  # no boundary within reach: no track re-run (a launch a layer) at all
         steps_to_track = None
-        if track is not None:
+        if batch.mamba_track_indices is not None:
             interval = self.release.mamba_track_interval(batch)
             steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, interval)
         backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
-        if self.gdn_saved is not None:
-            linear = backend.linear_attn_backend
-            if getattr(linear.kernel_dispatcher, "_dflash_saved_state", None) is not self.gdn_saved:
-                raise RuntimeError(f"DFLASH: the width-{width} verify ran without the saved recurrent states")
-            metadata = linear.forward_metadata  # the verify's: its slots, and its rows padded to the graph's
-            self.gdn_saved.commit(
-                metadata.mamba_cache_indices[: len(batch.seq_lens)], accepted.commit_len, width,
-                metadata.query_start_loc.shape[0] - 1,
-                None if track is None else linear._translate_mamba_indices(track), steps_to_track)
-            return
         backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
-            mamba_track_indices=track,
+            mamba_track_indices=batch.mamba_track_indices,
             mamba_steps_to_track=steps_to_track,
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,

@@ -9,7 +9,7 @@ from conftest import draft_config_dict
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
-from sglang_dflash.config import DFlashConfigError, DFlashDraftConfig
+from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.host_pauses import StepStalls
 from sglang_dflash.reference import ReferenceDraft
 from sglang_dflash.draft import DraftRing, DraftWindow, StepBuffers
@@ -725,8 +725,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
                                "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7,
-                               "decode_track": {"skipped": 5, "prepared": 1}, "width_one_step": "a DECODE",
-                               "gdn_state": "snapshots"}
+                               "decode_track": {"skipped": 5, "prepared": 1}, "width_one_step": "a DECODE"}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
@@ -734,7 +733,6 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
     fixed.pop("length_sets", None)
     assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
-    assert fixed.pop("gdn_state") == "snapshots"
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
@@ -1384,7 +1382,7 @@ def test_a_hybrid_whose_linear_layers_verify_on_flashinfer_keeps_the_block(monke
     monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
     for backend, widths in ((triton_verify, (16, 8, 4, 2, 1)), (flashinfer, (16,))):
         worker = object.__new__(DFlashWorker)
-        worker.hybrid, worker.hybrid_gdn, worker.ragged, worker.block_size = True, True, False, 16
+        worker.hybrid, worker.ragged, worker.block_size = True, False, 16
         worker.widths, worker.width_policy, worker.fallback = (16, 8, 4, 2, 1), SimpleNamespace(), None
         worker.model_runner = SimpleNamespace(attn_backend=backend)
         worker.draft_model_runner = SimpleNamespace(attn_backend=None)
@@ -1634,64 +1632,3 @@ def test_a_ragged_verify_packs_each_requests_lanes_and_accepts_what_each_would_a
     widths = [B] * bs  # a uniform block: the first bs * B rows are the dense block
     logits_output, _, _ = DFlashWorker.verify_step(worker, SimpleNamespace(), block, widths)
     assert block.lanes is None and logits_output.next_token_logits.shape == (bs * B, vocab)
-
-
-# ---- GDN verify without per-token state snapshots (gdn_state.py) --------------------------------
-
-
-def test_with_saved_states_the_commit_replays_through_the_verifying_widths_slots():
-    from sglang_dflash.worker import DFlashWorker
-
-    seen = []
-    worker = object.__new__(DFlashWorker)
-    worker.stalls = StepStalls()
-    worker.gdn_saved = SimpleNamespace(commit=lambda *args: seen.append(args))
-    interval = 4
-    worker.release = SimpleNamespace(mamba_track_interval=lambda batch: interval)
-    worker.block_size = 8
-    metadata = SimpleNamespace(mamba_cache_indices=torch.tensor([5, 2, 9, -1]),
-                               query_start_loc=torch.arange(0, 33, 8))  # the graph's 4 rows
-    linear = SimpleNamespace(forward_metadata=metadata, _translate_mamba_indices=lambda t: t + 100,
-                             kernel_dispatcher=SimpleNamespace(_dflash_saved_state=worker.gdn_saved))
-    worker.width_pairs = {8: (SimpleNamespace(linear_attn_backend=linear), None)}
-    batch = SimpleNamespace(seq_lens=torch.tensor([2, 3, 6]), seq_lens_cpu=torch.tensor([2, 3, 6]),
-                            mamba_track_indices=torch.tensor([1, 2, 3]))
-    accepted = SimpleNamespace(commit_len=torch.tensor([1, 2, 2]))
-    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
-    (slots, commit_len, width, verify_rows, track_slots, steps_to_track), = seen
-    assert slots.tolist() == [5, 2, 9] and commit_len is accepted.commit_len and (width, verify_rows) == (8, 4)
-    assert track_slots.tolist() == [101, 102, 103]
-    assert steps_to_track.tolist() == [-1, 0, 1]  # 2+1 crosses nothing; 3+2 crosses 4 at step 0; 6+2 crosses 8 at 1
-    # No boundary within two blocks of any host length (the host lags a step): no track re-run at all.
-    interval, seen[:] = 256, []
-    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
-    assert seen[0][4] is None
-    # A width whose verify did not go through the saved states would leave stale states: it stops.
-    linear.kernel_dispatcher._dflash_saved_state = None
-    with pytest.raises(RuntimeError, match="the width-8 verify ran without the saved recurrent states"):
-        DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
-
-
-def test_saved_states_asked_for_where_they_cannot_serve_stop_the_server(monkeypatch):
-    import sglang_dflash.worker as worker_mod
-    from sglang_dflash.worker import DFlashWorker
-
-    monkeypatch.setattr(worker_mod, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
-    worker = object.__new__(DFlashWorker)
-    worker.ragged = True
-    with pytest.raises(DFlashConfigError, match="SGLANG_DFLASH_GDN_STATE.*saved: not with the ragged verify"):
-        worker._keep_saved_states(SimpleNamespace())
-    worker.ragged = False
-    with pytest.raises(DFlashConfigError, match="saved: the linear-attention backend has no kernel dispatcher"):
-        worker._keep_saved_states(SimpleNamespace())
-    installed = []
-    monkeypatch.setattr(worker_mod, "saved_state_unserved", lambda backend: None)
-    monkeypatch.setattr(worker_mod, "GdnSavedState", lambda cache: ("saved", cache))
-    monkeypatch.setattr(worker_mod, "install_saved_state", lambda backend, saved: installed.append((backend, saved)))
-    monkeypatch.setattr(worker_mod, "route_block_attention", lambda backend: None)
-    cache = object()
-    backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
-        req_to_token_pool=SimpleNamespace(mamba_pool=SimpleNamespace(mamba_cache=cache))))
-    worker._keep_saved_states(backend)
-    worker._on_width_backend("narrow")  # each width's backend, before its graphs are captured
-    assert installed == [(backend, ("saved", cache)), ("narrow", ("saved", cache))]

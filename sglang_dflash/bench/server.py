@@ -54,10 +54,6 @@ IMPLEMENTATIONS = {
     "adaptive-verify1": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                  "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                  "SGLANG_DFLASH_HYBRID_DECODE": "0"}),
-    # The default on a gated-delta-net hybrid with the verify writing no per-token state snapshots (gdn_state.py).
-    "adaptive-saved-state": (["--speculative-algorithm", "DFLASH"],
-                             {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
-                              "SGLANG_DFLASH_WIDTH_POLICY": "throughput", "SGLANG_DFLASH_GDN_STATE": "saved"}),
     # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, 2026-11-29).
     "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),
