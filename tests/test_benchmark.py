@@ -124,7 +124,8 @@ def test_server_commands_carry_flags_and_env():
 def test_server_info_keeps_the_plugins_dflash_entry(monkeypatch):
     from sglang_dflash.bench import client
 
-    state = {"avg_spec_accept_length": 2.5, "memory_usage": {"kv": 1}, "dflash": {"widths_used": {"16": 3}}}
+    state = {"avg_spec_accept_length": 2.5, "memory_usage": {"kv": 1}, "dflash": {"widths_used": {"16": 3}},
+             "model_path": "/tmp/target", "mem_fraction_static": 0.4}  # server arguments: not kept
     monkeypatch.setattr(client, "get_json", lambda url, timeout=30: {"internal_states": [state]})
     assert client.server_info("http://x") == {"avg_spec_accept_length": 2.5, "dflash": {"widths_used": {"16": 3}}}
 
