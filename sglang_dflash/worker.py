@@ -187,6 +187,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         self.prefills, self.prefills_in_graphs = 0, 0  # target prefills, and those SGLang replayed from its graphs
         self.eager_verifies: Counter = Counter()  # width -> verifies that ran outside CUDA graphs
         self.decode_track: Counter = Counter()  # hybrid width-1 DECODEs: track slots "prepared" or "skipped"
+        self.verify_track: Counter = Counter()  # hybrid verify commits: track boundaries "scattered" or "skipped"
         self.context_in_graph: Optional[ContextInVerifyGraph] = None
         if context_in_verify_graph():
             # Registered before the scheduler captures the target's graphs (it does so first).
@@ -387,7 +388,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if info["bulk_prepare"]:  # the draft input's length buffers, kept across steps
             info["length_sets"] = length_sets_report()
         if self.hybrid:
-            info["decode_track"] = dict(self.decode_track)
+            info["decode_track"], info["verify_track"] = dict(self.decode_track), dict(self.verify_track)
             info["width_one_step"] = self.width_one_step
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
@@ -835,15 +836,22 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
         committed step's, and copy a crossed track boundary's into the radix cache's track slot.
         Through the backend of the width that ran the verify: the state slots are read from its
-        metadata, and another width's backend still holds those of the last batch it ran."""
-        steps_to_track = None
-        if batch.mamba_track_indices is not None:
-            interval = self.release.mamba_track_interval(batch)
-            steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len, interval)
+        metadata, and another width's backend still holds those of the last batch it ran.
+        Where no request can reach a track boundary (:meth:`may_reach_track`: a commit ends within
+        two blocks of the host's length, as a DECODE does), neither the steps to track nor their
+        scatter run: most steps at low concurrency, a boundary coming every 256 tokens by default."""
+        track, steps_to_track = batch.mamba_track_indices, None
+        if track is not None and not self.may_reach_track(batch):
+            track = None
+            self.verify_track["skipped"] += 1
+        elif track is not None:
+            steps_to_track = mamba_track_steps(batch.seq_lens, accepted.commit_len,
+                                               self.release.mamba_track_interval(batch))
+            self.verify_track["scattered"] += 1
         backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
         backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
-            mamba_track_indices=batch.mamba_track_indices,
+            mamba_track_indices=track,
             mamba_steps_to_track=steps_to_track,
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,

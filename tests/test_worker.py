@@ -1,6 +1,7 @@
 """CPU checks of the worker's host-side bookkeeping (the GPU suite runs the worker itself)."""
 
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -689,7 +690,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     worker.width_policy, worker.fallback = CyclingWidths(worker.widths), None
     worker.eager_verifies, worker.decode_steps, worker.eager_drafts = Counter({1: 2}), 4, 1
     worker.prefills, worker.prefills_in_graphs = 3, 2
-    worker.hybrid, worker.decode_track = True, Counter(skipped=5, prepared=1)
+    worker.hybrid, worker.decode_track, worker.verify_track = True, Counter(skipped=5, prepared=1), Counter(skipped=3)
     worker.width_one_step = "a DECODE"
     worker.pauses = process_pauses()
     worker.draft_head = SimpleNamespace(rows_read=32768, vocab=SimpleNamespace(rebuilds=3))
@@ -725,7 +726,8 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
                                "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7,
-                               "decode_track": {"skipped": 5, "prepared": 1}, "width_one_step": "a DECODE"}
+                               "decode_track": {"skipped": 5, "prepared": 1}, "verify_track": {"skipped": 3},
+                               "width_one_step": "a DECODE"}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
@@ -733,6 +735,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
     fixed.pop("length_sets", None)
     assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
+    assert fixed.pop("verify_track") == {"skipped": 3}
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
@@ -1324,8 +1327,9 @@ def test_the_recurrent_state_is_committed_through_the_backend_that_ran_the_verif
     worker.width_pairs = {w: (b, f"graphs {w}") for w, b in backends.items()}
     worker.model_runner = SimpleNamespace(attn_backend=backends[16], model="target")
     worker.release = SimpleNamespace(mamba_track_interval=lambda batch: 8)
-    batch = SimpleNamespace(seq_lens=torch.tensor([7, 20]), mamba_track_indices=torch.tensor([3, 5]),
-                            req_pool_indices=torch.tensor([0, 1]))
+    worker.block_size, worker.verify_track = 16, Counter()
+    batch = SimpleNamespace(seq_lens=torch.tensor([7, 20]), seq_lens_cpu=torch.tensor([7, 20]),
+                            mamba_track_indices=torch.tensor([3, 5]), req_pool_indices=torch.tensor([0, 1]))
     commit_len = torch.tensor([min(width, 2), 1])
     accepted = Accepted(accept_len=commit_len - 1, commit_len=commit_len, bonus=None, out_tokens=None,
                         new_seq_lens=batch.seq_lens + commit_len)
@@ -1339,6 +1343,42 @@ def test_the_recurrent_state_is_committed_through_the_backend_that_ran_the_verif
     worker.width_pairs = {}
     DFlashWorker.commit_recurrent_state(worker, batch, accepted, 16)
     assert len(backends[16].commits) == 1 + (committed_by == "w16")
+
+
+@pytest.mark.parametrize("case", ["far", "far, lengths on the draft input", "near", "lazy plan", "no host lengths"])
+def test_a_verify_commit_far_from_every_track_boundary_scatters_no_track_slot(case):
+    """The commit's track scatter (and the steps to track it needs) runs only where some request's
+    commit may end on a track boundary: host lengths 5 and 9, block 8, interval 64 cannot reach one
+    (a commit ends at most two blocks past the host's length); interval 16 can. With a lazy track
+    plan, or without host lengths, it always runs. The accepted step is committed either way."""
+    from sglang_dflash.compat import SGLangRelease
+    from sglang_dflash.worker import Accepted, DFlashWorker
+
+    backend = FakeHybridBackend("w8", slots="slots")
+    worker = object.__new__(DFlashWorker)
+    worker.width_pairs, worker.model_runner = {}, SimpleNamespace(attn_backend=backend, model="target")
+    worker.block_size, worker.verify_track = 8, Counter()
+    interval = 16 if case == "near" else 64
+    worker.release = SimpleNamespace(mamba_track_interval=lambda b: interval,
+                                     committed_lens_cpu=SGLangRelease("0.5.23").committed_lens_cpu)
+    host = torch.tensor([5, 9])
+    batch = SimpleNamespace(seq_lens=torch.tensor([5, 9]), seq_lens_cpu=host, mamba_track_indices=torch.tensor([3, 4]),
+                            req_pool_indices=torch.tensor([0, 1]), spec_info=SimpleNamespace())
+    if case == "far, lengths on the draft input":  # the overlap schedule's resolve dropped seq_lens_cpu
+        batch.seq_lens_cpu, batch.spec_info._prepare_batch_seq_lens_cpu_buf = None, host
+    if case == "lazy plan":
+        batch.mamba_lazy_spec_track_positions_cpu = [[], []]
+    if case == "no host lengths":
+        batch.seq_lens_cpu = None
+    commit_len = torch.tensor([3, 8])
+    accepted = Accepted(accept_len=commit_len - 1, commit_len=commit_len, bonus=None, out_tokens=None,
+                        new_seq_lens=batch.seq_lens + commit_len)
+    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
+    (_, last_steps, tracked), = backend.commits
+    assert last_steps == [2, 7]
+    far = case.startswith("far")
+    assert tracked == (None if far else mamba_track_steps(batch.seq_lens, commit_len, interval).tolist())
+    assert worker.verify_track == {"skipped" if far else "scattered": 1}
 
 
 def test_the_schedulers_time_is_summed_by_mode_apart_from_the_pauses_between_reads(monkeypatch):
