@@ -94,6 +94,7 @@ HOOK_TARGETS = {
     "refuse_unrunnable_prompt": "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
     "card_flags": "sglang.srt.server_args.prepare_server_args",
     "plain_step": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+    "builtin_step": "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
     "ring_target_cell": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
     "ring_set_aside": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
 }

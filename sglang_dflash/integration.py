@@ -28,6 +28,10 @@ swap what it builds. The hooks (targets by release in :meth:`compat.SGLangReleas
   and the ring's bytes are set aside whole (``context.py``).
 * ``dflash_utils.validate_dflash_request`` (0.5.17 only): SGLang refuses ``return_logprob`` under
   DFLASH; the plugin's worker serves it, so SGLang's other checks run on a request seen without it.
+* With ``SGLANG_DFLASH_LEDGER=1``: ``TpModelWorker.forward_batch_generation`` on a plain server and
+  the built-in's ``DFlashWorkerV2.forward_batch_generation`` under ``SGLANG_DFLASH_IMPL=builtin``
+  time the scheduler's worker calls by mode, as the plugin's worker always does (the other halves of
+  a profile: ``/get_server_info`` ``scheduler_ledger``).
 
 A draft architecture only the built-in implements, DP attention where the built-in serves it,
 ``SGLANG_DFLASH_IMPL=builtin``, an SGLang release outside the supported range, or one that lacks
@@ -40,7 +44,7 @@ import logging
 from typing import Optional
 
 from . import compat
-from .config import FP32_NORM_ENV, IMPL_ENV, fp32_norms, selected_implementation  # noqa: F401 (re-exported)
+from .config import FP32_NORM_ENV, IMPL_ENV, fp32_norms, scheduler_ledger, selected_implementation  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -55,7 +59,7 @@ CARD_FLAGS = compat.HOOK_TARGETS["card_flags"]
 # Set in the scheduler process that builds the plugin's worker: request-level hooks act only there,
 # so EAGLE, MTP and NGRAM servers (and the built-in DFLASH) behave exactly as without the plugin.
 _serving = False
-# SGLANG_DFLASH_LEDGER=1 on a server without speculative decoding: its scheduler's worker calls by mode.
+# SGLANG_DFLASH_LEDGER=1 on a plain or a built-in DFLASH server: its scheduler's worker calls by mode.
 _ledger = None
 
 
@@ -93,6 +97,9 @@ def register() -> None:
         HookRegistry.register(HANDLE_DFLASH_ARGS, log_builtin, HookType.AROUND)
         if release.supported:  # the cards' commands start with the built-in too
             HookRegistry.register(CARD_FLAGS, card_flags_hook, HookType.AROUND)
+        if release.supported and impl == "builtin" and scheduler_ledger():  # its side of a profile
+            HookRegistry.register(compat.HOOK_TARGETS["builtin_step"], builtin_step_hook, HookType.AROUND)
+            HookRegistry.register(compat.HOOK_TARGETS["server_info"], server_info_hook, HookType.AROUND)
         return
     hooks = {
         "create_worker": create_worker_hook,
@@ -283,20 +290,38 @@ def plain_step_hook(original, worker, batch=None, *args, **kwargs):
     by mode as the plugin's worker times its own calls (``host_pauses.StepStalls``): a profile sets
     plain decoding's decode steps, admissions and gaps beside the plugin's. Elsewhere (the plugin's
     target calls, EAGLE, the built-in) it only passes the call on."""
-    global _ledger
     spec = getattr(batch, "spec_algorithm", None)
     if _serving or batch is None or (spec is not None and not spec.is_none()):
         return original(worker, batch, *args, **kwargs)
+    return _ledger_call(original, worker, batch, batch.forward_mode.is_extend(), args, kwargs)
+
+
+def builtin_step_hook(original, worker, batch=None, *args, **kwargs):
+    """The built-in DFLASH worker's ``forward_batch_generation`` (``SGLANG_DFLASH_IMPL=builtin``),
+    timed by mode as the plugin's own worker is: the built-in's side of a profile."""
+    if batch is None:
+        return original(worker, batch, *args, **kwargs)
+    return _ledger_call(original, worker, batch, batch.forward_mode.is_extend() or batch.is_extend_in_batch,
+                        args, kwargs)
+
+
+def _ledger_call(original, worker, batch, extend: bool, args, kwargs):
+    global _ledger
     from .host_pauses import StepStalls, call_shape
 
     if _ledger is None:
         _ledger = StepStalls()
-    mode, bs, tokens = call_shape(batch, batch.forward_mode.is_extend())
+    mode, bs, tokens = call_shape(batch, extend)
     _ledger.begin()
+    result = None
     try:
-        return original(worker, batch, *args, **kwargs)
-    finally:
-        _ledger.end(mode, bs, tokens, 1 if mode == "decode" else None)
+        result = original(worker, batch, *args, **kwargs)
+        return result
+    finally:  # a decode step's width: the verified tokens a request's row holds (1 for plain decoding)
+        width = None
+        if mode == "decode":
+            width = getattr(result, "speculative_num_draft_tokens", None) or 1
+        _ledger.end(mode, bs, tokens, width)
 
 
 def ring_target_cell_hook(original, configurator, kvc, *args, **kwargs):

@@ -726,3 +726,40 @@ def test_a_plain_server_times_its_worker_calls_by_mode_only_when_asked(monkeypat
     assert integration._ledger.by_mode["decode"][0] == 3
     state = integration.server_info_hook(lambda s, r: SimpleNamespace(internal_state={}), SimpleNamespace(), None)
     assert "scheduler_ledger" not in state.internal_state
+
+
+def test_the_builtin_times_its_worker_calls_by_mode_only_when_asked(monkeypatch):
+    """SGLANG_DFLASH_LEDGER=1 beside SGLANG_DFLASH_IMPL=builtin: the built-in's side of a profile,
+    its scheduler calls by mode and its decode steps at the block's width, under ``scheduler_ledger``.
+    Without the ledger the built-in's server gets no hook of the plugin's but the two it always gets."""
+    monkeypatch.setenv("SGLANG_DFLASH_IMPL", "builtin")
+    monkeypatch.delenv("SGLANG_DFLASH_LEDGER", raising=False)
+    plain_targets = registered_targets(monkeypatch, RELEASE)
+    assert compat.HOOK_TARGETS["builtin_step"] not in plain_targets and len(plain_targets) == 2
+    monkeypatch.setenv("SGLANG_DFLASH_LEDGER", "1")
+    targets = registered_targets(monkeypatch, RELEASE)
+    assert targets[2:] == [compat.HOOK_TARGETS["builtin_step"], compat.HOOK_TARGETS["server_info"]]
+    assert compat.HOOK_TARGETS["create_worker"] not in targets  # the built-in still serves
+
+    monkeypatch.setattr(integration, "_ledger", None)
+    monkeypatch.setattr(integration, "_serving", False)
+
+    def batch(mode, bs, tokens=None):
+        return SimpleNamespace(seq_lens=torch.zeros(bs), extend_num_tokens=tokens, is_extend_in_batch=False,
+                               forward_mode=SimpleNamespace(is_extend=lambda: mode == "extend",
+                                                            is_idle=lambda: mode == "idle"))
+
+    def forward(worker, b, *a, **k):
+        return SimpleNamespace(speculative_num_draft_tokens=16)
+
+    integration.builtin_step_hook(forward, "worker", batch("extend", 2, tokens=300))
+    for _ in range(3):
+        integration.builtin_step_hook(forward, "worker", batch("decode", 4))
+    with pytest.raises(RuntimeError):  # a call that raised is timed all the same
+        integration.builtin_step_hook(lambda *a, **k: (_ for _ in ()).throw(RuntimeError()), "worker",
+                                      batch("decode", 4))
+    state = integration.server_info_hook(lambda s, r: SimpleNamespace(internal_state={}), SimpleNamespace(), None)
+    ledger = state.internal_state["scheduler_ledger"]
+    assert {m: (v["calls"], v["tokens"]) for m, v in ledger["by_mode"].items()} == {"extend": (1, 300), "decode": (4, 0)}
+    assert {key[0] for key in integration._ledger.by_width} == {16, 1}  # the raised call's width is unknown: 1
+    assert "dflash" not in state.internal_state

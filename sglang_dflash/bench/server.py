@@ -23,11 +23,12 @@ IMPLEMENTATIONS = {
     # name: (extra server flags, extra env)
     "ar": ([], {"SGLANG_DFLASH_LEDGER": "1"}),  # its worker calls by mode, beside the plugin's (a profile's other half)
     "plugin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin"}),
-    "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin"}),
+    # Its worker calls by mode too (the ledger), as the plugin's worker always reports them.
+    "builtin": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "builtin", "SGLANG_DFLASH_LEDGER": "1"}),
     # The built-in with ReplaySSM's verify (hybrid targets): SGLang 0.5.17-0.5.23 refuse it for
     # DFLASH on models without KDA layers (docs/design/hybrid-adaptive-width.md); a rig run checks.
     "builtin-replayssm": (["--speculative-algorithm", "DFLASH", "--enable-linear-replayssm-spec"],
-                          {"SGLANG_DFLASH_IMPL": "builtin"}),
+                          {"SGLANG_DFLASH_IMPL": "builtin", "SGLANG_DFLASH_LEDGER": "1"}),
     # The plugin's default is adaptive verify width wherever it serves; "adaptive" insists on it
     # (a server where it cannot serve fails to start), "plugin-fixed" verifies the whole block every step.
     # (SGLANG_DFLASH_WIDTH_POLICY set for the run, e.g. cycle:8, applies to "plugin" alone).
@@ -101,7 +102,7 @@ IMPLEMENTATIONS = {
     "plugin-fp8": (["--speculative-algorithm", "DFLASH", "--speculative-draft-model-quantization", "fp8"],
                    {"SGLANG_DFLASH_IMPL": "plugin"}),
     "builtin-fp8": (["--speculative-algorithm", "DFLASH", "--speculative-draft-model-quantization", "fp8"],
-                    {"SGLANG_DFLASH_IMPL": "builtin"}),
+                    {"SGLANG_DFLASH_IMPL": "builtin", "SGLANG_DFLASH_LEDGER": "1"}),
     "ngram": (["--speculative-algorithm", "NGRAM"], {}),
 }
 IMPLEMENTATIONS["plugin-flashinfer-plans"] = IMPLEMENTATIONS["plugin-replay-setup"]
