@@ -44,7 +44,8 @@ import logging
 from typing import Optional
 
 from . import compat
-from .config import FP32_NORM_ENV, IMPL_ENV, fp32_norms, scheduler_ledger, selected_implementation  # noqa: F401 (re-exported)
+from .config import FP32_NORM_ENV, IMPL_ENV, fp32_norms, selected_implementation  # noqa: F401 (re-exported)
+from .config import scheduler_ledger
 
 logger = logging.getLogger("sglang_dflash")
 

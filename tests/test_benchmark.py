@@ -375,15 +375,16 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
     assert wave_host_per_step(rows["ar"]) == []
     assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 | 0.0 | 0.0 | 1200.0 | 300.0 | 0.0 | 0.0 | 0.0 |" in (tmp_path / "report.md").read_text()
     # The scheduler's time by mode, wave by wave: decode steps 12 of each 16 ms, admissions 4.
-    assert wave_time_by_mode(rows["plugin"]) == [{"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25},
-                                                  "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625}}] * 2
+    assert wave_time_by_mode(rows["plugin"]) == [
+        {"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25, "call_ms": 2.0},
+         "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625, "call_ms": 3.0}}] * 2
     assert wave_time_by_mode(rows["ar"]) == []
     # Decode steps after an admission apart from the steady ones: 6 ms against 2 ms a step.
     assert wave_steps_by_what_came_before(rows["plugin"]) == [
         {"extend>decode": {"steps": 1, "ms": 6.0}, "decode>decode": {"steps": 3, "ms": 2.0}}] * 2
     assert "| plugin | gsm8k | 1 | 2 | 1 | 6 | 3 | 2 |" in (tmp_path / "report.md").read_text()
     assert "| plugin | gsm8k | 1 | 2 | 2000.0 | 1000.0 | 50.0 |" in (tmp_path / "report.md").read_text()
-    assert "| plugin | gsm8k | 1 | 2 | 4 | 1 | 50.0% | 25.0% | 18.8% | 6.2% |" in (tmp_path / "report.md").read_text()
+    assert "| plugin | gsm8k | 1 | 2 | 4 | 1 | 50.0% | 25.0% | 18.8% | 6.2% | 3.00 |" in (tmp_path / "report.md").read_text()
     assert rows["plugin"]["wave_serving_compiles"] == [[0, 0.0], [1, 1.18], [1, 1.18]]
     assert "wave_serving_compiles" not in rows["ar"]  # none in its log
     per_request = rows["plugin"]["per_request"]

@@ -144,7 +144,7 @@ SERVER_INFO_KEPT = ("avg_spec_accept_length", "last_gen_throughput", "dflash", "
 
 def server_info(url: str) -> dict:
     """The first scheduler's :data:`SERVER_INFO_KEPT` entries: its acceptance and throughput, the
-    plugin's ``dflash`` and a plain server's ``scheduler_ledger``."""
+    plugin's ``dflash`` and a plain or built-in server's ``scheduler_ledger``."""
     try:
         info = get_json(url + "/server_info")
     except (OSError, ValueError):

@@ -70,7 +70,7 @@ def host_time_table(rows: list[dict]) -> list[str]:
 
 
 def time_by_mode_table(rows: list[dict]) -> list[str]:
-    """Scheduler time by mode of the plugin's servers and plain decoding's (its ledger), medians over
+    """Scheduler time by mode of the plugin's servers, plain decoding's and the built-in's (their ledgers), medians over
     a level's waves: the share of a wave in decode steps and in admissions (prefills, and the
     plugin's draft context), each in the worker call and in the gap before it, so step-cost
     arithmetic can be set against a level's measured throughput."""
@@ -78,11 +78,14 @@ def time_by_mode_table(rows: list[dict]) -> list[str]:
         def median(mode, part):
             return statistics.median(w.get(mode, {}).get(part, 0) for w in waves)
 
+        admission_ms = [w["extend"]["call_ms"] for w in waves if "call_ms" in w.get("extend", {})]
         return [f"{median('decode', 'calls'):g}", f"{median('extend', 'calls'):g}",
-                *(f"{100 * median(m, p):.1f}%" for m in ("decode", "extend") for p in ("call", "gap"))]
+                *(f"{100 * median(m, p):.1f}%" for m in ("decode", "extend") for p in ("call", "gap")),
+                f"{statistics.median(admission_ms):.2f}" if admission_ms else "-"]
 
     return waves_table(rows, wave_time_by_mode, cells, "## Scheduler time by mode: medians over waves",
-                       ["decode steps", "admissions", "decode call", "decode gap", "admission call", "admission gap"])
+                       ["decode steps", "admissions", "decode call", "decode gap", "admission call", "admission gap",
+                        "ms an admission call"])
 
 
 def steps_by_what_came_before_table(rows: list[dict]) -> list[str]:

@@ -178,10 +178,11 @@ def wave_host_per_step(row: dict) -> list[dict]:
 
 
 def wave_time_by_mode(row: dict) -> list[dict]:
-    """Each wave's scheduler time of a plugin server (or a plain one with its ledger) by mode (decode steps, admissions: ``extend``),
-    in the worker call and in the gap before it, as shares of what the calls and gaps add up to, from
+    """Each wave's scheduler time of a plugin server (or a plain or built-in one with its ledger) by
+    mode (decode steps, admissions: ``extend``), in the worker call and in the gap before it, as shares of what the calls and gaps add up to, from
     the running totals read after every wave (``wave_host_pauses``' ``by_mode``); and each mode's
-    calls. The level's first wave is left out, as in :func:`wave_host_per_step`."""
+    calls and mean call in ms (``call_ms``: what sets one server's admissions beside another's, whose
+    waves last differently). The level's first wave is left out, as in :func:`wave_host_per_step`."""
     totals = [w.get("by_mode") for w in row.get("wave_host_pauses") or []]
     out = []
     for before, after in zip(totals, totals[1:]):
@@ -193,7 +194,8 @@ def wave_time_by_mode(row: dict) -> list[dict]:
         if wall <= 0:
             continue
         out.append({"wall_ms": round(wall, 1), **{
-            mode: {"calls": d["calls"], "call": round(d["call_ms"] / wall, 4), "gap": round(d["gap_ms"] / wall, 4)}
+            mode: {"calls": d["calls"], "call": round(d["call_ms"] / wall, 4), "gap": round(d["gap_ms"] / wall, 4),
+                   "call_ms": round(d["call_ms"] / d["calls"], 3)}
             for mode, d in sorted(diff.items()) if d["calls"]}})
     return out
 

@@ -281,11 +281,11 @@ STALL_KEYS = ("stalls", "stall_ms", "recent", "decode_host", "by_mode", "by_tran
 
 def host_pauses(url: str) -> Optional[dict]:
     """The plugin's counts so far of full GCs, allocator retries, stalled worker calls, decode steps
-    and steps whose draft or verify ran outside CUDA graphs; a plain server's worker calls by mode
-    with ``SGLANG_DFLASH_LEDGER=1``; None from other servers."""
+    and steps whose draft or verify ran outside CUDA graphs; a plain or built-in server's worker
+    calls by mode with ``SGLANG_DFLASH_LEDGER=1``; None from other servers."""
     info = server_info(url)
     dflash = info.get("dflash") or {}
-    if "host_pauses" not in dflash:  # a plain server's ledger (SGLANG_DFLASH_LEDGER=1): its calls by mode
+    if "host_pauses" not in dflash:  # a plain or built-in server's ledger (SGLANG_DFLASH_LEDGER=1): its calls by mode
         ledger = info.get("scheduler_ledger")
         return {k: ledger[k] for k in STALL_KEYS if k in ledger} if ledger else None
     graphs = {k: dflash[k] for k in ("decode_steps", "eager_drafts") if k in dflash}
