@@ -179,10 +179,11 @@ def wave_host_per_step(row: dict) -> list[dict]:
 
 def wave_time_by_mode(row: dict) -> list[dict]:
     """Each wave's scheduler time of a plugin server (or a plain or built-in one with its ledger) by
-    mode (decode steps, admissions: ``extend``), in the worker call and in the gap before it, as shares of what the calls and gaps add up to, from
-    the running totals read after every wave (``wave_host_pauses``' ``by_mode``); and each mode's
-    calls and mean call in ms (``call_ms``: what sets one server's admissions beside another's, whose
-    waves last differently). The level's first wave is left out, as in :func:`wave_host_per_step`."""
+    mode (decode steps, admissions: ``extend``), in the worker call and in the gap before it, as
+    shares of what the calls and gaps add up to, from the running totals read after every wave
+    (``wave_host_pauses``' ``by_mode``); and each mode's calls and mean call in ms (``call_ms``: what
+    sets one server's admissions beside another's, whose waves last differently). The level's first
+    wave is left out, as in :func:`wave_host_per_step`."""
     totals = [w.get("by_mode") for w in row.get("wave_host_pauses") or []]
     out = []
     for before, after in zip(totals, totals[1:]):
