@@ -70,10 +70,10 @@ def host_time_table(rows: list[dict]) -> list[str]:
 
 
 def time_by_mode_table(rows: list[dict]) -> list[str]:
-    """Scheduler time by mode of the plugin's servers, plain decoding's and the built-in's (their ledgers), medians over
-    a level's waves: the share of a wave in decode steps and in admissions (prefills, and the
-    plugin's draft context), each in the worker call and in the gap before it, so step-cost
-    arithmetic can be set against a level's measured throughput."""
+    """Scheduler time by mode of the plugin's servers, plain decoding's and the built-in's (their
+    ledgers), medians over a level's waves: the share of a wave in decode steps and in admissions
+    (prefills, and the plugin's draft context), each in the worker call and in the gap before it, so
+    step-cost arithmetic can be set against a level's measured throughput; and an admission call's ms."""
     def cells(waves):
         def median(mode, part):
             return statistics.median(w.get(mode, {}).get(part, 0) for w in waves)

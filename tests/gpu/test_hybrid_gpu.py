@@ -28,6 +28,7 @@ from sglang_dflash.bench.server import Server, ServerSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hybrid]
 INTERVAL = 32  # --mamba-track-interval: a checkpoint every 32 tokens (>= 2 blocks, see worker)
+SKIP_INTERVAL = 64  # plugin_track_skip's: beyond two blocks' reach, so most steps skip the track scatter
 WINDOW = 1024  # --speculative-draft-window-size, far below the long prompts
 LONG_PROMPTS = (8448, 9000)
 SHORT_PROMPTS = int(os.environ.get("DFLASH_HYBRID_PROMPTS", 200))  # greedy prompts of 128 new tokens
@@ -42,7 +43,7 @@ RUNS = {"plugin": ("plugin", (), {}),
         "plugin_switching": ("plugin", (), {"SGLANG_DFLASH_WIDTHS": "16,8,4,2,1", "SGLANG_DFLASH_WIDTH_POLICY": "cycle"}),
         # the same with checkpoints every 64 tokens, beyond two blocks' reach: most commits and DECODEs
         # skip the track scatter (worker.may_reach_track), and the follow-ups still resume right
-        "plugin_track_skip": ("plugin", ("--mamba-track-interval", str(2 * INTERVAL)),
+        "plugin_track_skip": ("plugin", ("--mamba-track-interval", str(SKIP_INTERVAL)),
                               {"SGLANG_DFLASH_WIDTHS": "16,8,4,2,1", "SGLANG_DFLASH_WIDTH_POLICY": "cycle"}),
         "builtin": ("builtin", (), {})}
 SELECTED = os.environ.get("DFLASH_HYBRID_RUNS", "plugin,plugin_window").split(",")
@@ -137,7 +138,7 @@ def against_ar():
                 "off_near_tie": {k: sum(not r["near_tie"] for r in v) for k, v in rows.items()},
                 "prompts": {k: len(out[k]) for k in rows}, "long_prompt_tokens": list(LONG_PROMPTS),
                 "draft_window": WINDOW if name in ("plugin_window", "plugin_ring") else None,
-                "mamba_track_interval": 2 * INTERVAL if name == "plugin_track_skip" else INTERVAL,
+                "mamba_track_interval": SKIP_INTERVAL if name == "plugin_track_skip" else INTERVAL,
                 "follow_ups_served_from_decode_checkpoints": checkpointed, "ar_follow_ups_from_checkpoints": ar_checkpointed,
                 "follow_up_cached_tokens": out["follow_up_cached"], "ar_loads_after": ar_out["loads_after"],
                 **served_figures(out),
