@@ -27,11 +27,11 @@ from sglang_dflash.train import plot as train_plot
 from sglang_dflash.bench.client import RequestResult, get_json
 from sglang_dflash.bench.pool import main as pool_main
 from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summarize_trace, worker_steps
-from sglang_dflash.bench.report import paired_wave_table, plot
+from sglang_dflash.bench.report import paired_wave_table, plot, wave_tails_table
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
                                       ttft_parts, ttft_parts_summary, wave_host_per_step,
-                                      wave_steps_by_what_came_before, wave_time_by_mode)
+                                      wave_steps_by_what_came_before, wave_tails, wave_time_by_mode)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
@@ -433,6 +433,22 @@ def test_report_pairs_interleaved_waves():
     # ratios 0.9, 1.2, 2.0: geometric mean (0.9 * 1.2 * 2.0) ** (1/3) = 1.29
     assert table[-2].startswith("| 8 | 1.20x [0.90, 2.00], 2/3; 1.29x (")
     assert paired_wave_table([row("plugin", [1.0])], ["gsm8k"], [8]) == []
+
+
+def test_a_wave_lasts_as_long_as_its_slowest_request():
+    # Two waves of 3: [tokens, verify steps]; plain decoding takes a step a token after the first.
+    spec = {"label": "adaptive", "dataset": "mix", "concurrency": 3, "wave_tok_s": [1.0, 1.0],
+            "per_request": [[256, 40], [256, 50], [256, 150], [100, 30], [256, 60], [256, 60]]}
+    plain = {"label": "ar", "dataset": "mix", "concurrency": 3, "wave_tok_s": [1.0, 1.0],
+             "per_request": [[256, 0], [256, 0], [256, 0], [100, 0], [256, 0], [256, 0]]}
+    assert wave_tails(spec) == [{"slowest": 150, "mean": 80.0, "slowest_over_mean": 1.875},
+                                {"slowest": 60, "mean": 50.0, "slowest_over_mean": 1.2}]
+    assert wave_tails(plain)[0] == {"slowest": 255, "mean": 255.0, "slowest_over_mean": 1.0}
+    # A failed request leaves its wave out; rows run without waves (not interleaved) have none.
+    assert len(wave_tails(dict(spec, per_request=[None] + spec["per_request"][1:]))) == 1
+    assert wave_tails({k: v for k, v in spec.items() if k != "wave_tok_s"}) == []
+    table = wave_tails_table([spec, plain])
+    assert "| adaptive | mix | 3 | 2 | 105 | 65 | 1.5375 |" in table
 
 
 def test_paired_ratio_interval_covers_the_geomean_and_narrows_with_more_waves():

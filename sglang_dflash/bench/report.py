@@ -7,7 +7,7 @@ import os
 import statistics
 
 from .stats import (paired_ratio_stats, paired_wave_cycles, wave_host_per_step, wave_steps_by_what_came_before,
-                    wave_time_by_mode)
+                    wave_tails, wave_time_by_mode)
 
 
 def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
@@ -104,6 +104,17 @@ def steps_by_what_came_before_table(rows: list[dict]) -> list[str]:
                        ["steps after an admission", "ms each", "steps after a decode step", "ms each"])
 
 
+def wave_tails_table(rows: list[dict]) -> list[str]:
+    """Decode steps per request of each wave's slowest request against the wave's mean, medians over
+    a level's waves: the share of a wave its slowest request adds, which a paired ratio carries and a
+    step's cost and the mean accept length do not."""
+    def cells(waves):
+        return [f"{statistics.median(w[k] for w in waves):g}" for k in ("slowest", "mean", "slowest_over_mean")]
+
+    return waves_table(rows, wave_tails, cells, "## Each wave's slowest request: decode steps, medians over waves",
+                       ["slowest request", "mean request", "slowest / mean"])
+
+
 def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> str:
     lines = ["# DFLASH benchmark", ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()] + [""]
@@ -139,6 +150,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
     lines += host_time_table(rows)
     lines += time_by_mode_table(rows)
     lines += steps_by_what_came_before_table(rows)
+    lines += wave_tails_table(rows)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

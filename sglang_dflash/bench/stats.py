@@ -224,6 +224,29 @@ def wave_steps_by_what_came_before(row: dict) -> list[dict]:
     return out
 
 
+def wave_tails(row: dict) -> list[dict]:
+    """Each wave's decode steps per request, of its slowest request and on average: a wave lasts as
+    long as its slowest request, so where requests accept unequally a speculative server's wave is
+    longer than its mean accept length says, and plain decoding's is not (every request takes a step
+    a token). Steps are a request's verify steps (``spec_verify_ct``), or its tokens after the first
+    on a server without them. Only interleaved rows (``wave_tok_s``) keep their requests in waves of
+    ``concurrency``, in order; a wave with a failed request is left out."""
+    waves, conc = row.get("wave_tok_s"), row["concurrency"]
+    requests = row.get("per_request") or []
+    if not waves or len(requests) < len(waves) * conc:
+        return []
+    out = []
+    for i in range(len(waves)):
+        wave = requests[i * conc:(i + 1) * conc]
+        if any(r is None for r in wave):
+            continue
+        steps = [verified or max(tokens - 1, 0) for tokens, verified in wave]
+        mean = sum(steps) / len(steps)
+        if mean > 0:
+            out.append({"slowest": max(steps), "mean": round(mean, 2), "slowest_over_mean": round(max(steps) / mean, 3)})
+    return out
+
+
 def side_by_side(rows: list[dict]) -> dict:
     """Per concurrency: AR, plugin and built-in tok/s and accept lengths (first dataset measured)."""
     out = {}
