@@ -1,0 +1,62 @@
+"""How much of a paired wave ratio its slowest requests decide: a speculative server against plain
+decoding, level by level, from interleaved sweeps' ``results.json``.
+
+A wave lasts as long as its slowest request. Plain decoding takes a step a token, so its requests
+finish together; a speculative server's finish at their own accept lengths, and its wave ends with
+the request that accepts least, while the batch has shrunk to a few requests. Per level this prints
+the paired wave ratio A / B, the ratio of B's decode steps to A's for the slowest request and for the
+mean request, and the step cost of A over B that the slowest request's steps and the ratio imply
+(the steps ratio by the slowest request over the wave ratio).
+
+    python3 lab/wave_tails.py RESULTS.json [RESULTS.json ...] [--pair adaptive ar]
+"""
+
+import argparse
+import json
+import math
+import statistics
+
+from sglang_dflash.bench.stats import wave_tails
+
+
+def geomean(values):
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def level_reading(a: dict, b: dict) -> dict:
+    """One level's waves of ``a`` beside the same waves of ``b`` (interleaved rows, same prompts)."""
+    tails_a, tails_b = wave_tails(a), wave_tails(b)
+    n = min(len(tails_a), len(tails_b), len(a["wave_tok_s"]), len(b["wave_tok_s"]))
+    ratio = geomean(a["wave_tok_s"][i] / b["wave_tok_s"][i] for i in range(n))
+    by_slowest = geomean(tails_b[i]["slowest"] / tails_a[i]["slowest"] for i in range(n))
+    by_mean = geomean(tails_b[i]["mean"] / tails_a[i]["mean"] for i in range(n))
+    return {"waves": n, "ratio": round(ratio, 3), "steps_ratio_slowest": round(by_slowest, 3),
+            "steps_ratio_mean": round(by_mean, 3), "step_cost_a_over_b": round(by_slowest / ratio, 3),
+            "accept_length": a.get("accept_length")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--pair", nargs=2, default=["adaptive", "ar"], metavar=("A", "B"))
+    args = ap.parse_args()
+    a_label, b_label = args.pair
+    print("| set | conc | paired waves | A / B | B's steps / A's: slowest request | mean request "
+          "| A's step / B's (implied) | A's accept length |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path in args.results:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        by = {(r["label"], r["dataset"], r["concurrency"]): r for r in rows}
+        for (label, dataset, conc), a in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+            b = by.get((b_label, dataset, conc))
+            if label != a_label or b is None or not wave_tails(a) or not wave_tails(b):
+                continue
+            r = level_reading(a, b)
+            tau = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+            print(f"| {dataset} | {conc} | {r['waves']} | {r['ratio']:.3f} | {r['steps_ratio_slowest']:.2f} "
+                  f"| {r['steps_ratio_mean']:.2f} | {r['step_cost_a_over_b']:.2f} | {tau} |")
+
+
+if __name__ == "__main__":
+    main()
