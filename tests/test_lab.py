@@ -350,3 +350,21 @@ def test_the_tiny_moe_target_keeps_expert_zero_and_pulls_the_others_toward_it(tm
     for e in (1, 2):
         own = state[f"model.layers.0.mlp.experts.{e}.down_proj.weight"]
         torch.testing.assert_close(after[f"model.layers.0.mlp.experts.{e}.down_proj.weight"], base + 0.1 * (own - base))
+
+
+def test_wave_tails_sets_the_slowest_requests_steps_beside_the_ratio(tmp_path, capsys, monkeypatch):
+    wave_tails = load_lab("wave_tails")
+    # One wave of 2 a server: plain decoding 256 steps a request (255 after the first token); the
+    # speculative server's requests 50 and 100 steps, its wave at 1.5x plain decoding's tok/s.
+    spec = {"label": "adaptive", "dataset": "mix", "concurrency": 2, "wave_tok_s": [150.0],
+            "accept_length": 3.4, "per_request": [[256, 50], [256, 100]]}
+    plain = {"label": "ar", "dataset": "mix", "concurrency": 2, "wave_tok_s": [100.0],
+             "accept_length": None, "per_request": [[256, 0], [256, 0]]}
+    reading = wave_tails.level_reading(spec, plain)
+    assert reading["ratio"] == 1.5 and reading["steps_ratio_slowest"] == 2.55 and reading["steps_ratio_mean"] == 3.4
+    assert reading["step_cost_a_over_b"] == 1.7  # 2.55 fewer steps for the wave, 1.5x its speed
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": [spec, plain]}))
+    monkeypatch.setattr(sys, "argv", ["wave_tails", str(path)])
+    wave_tails.main()
+    assert "| mix | 2 | 1 | 1.500 | 2.55 | 3.40 | 1.70 | 3.40 |" in capsys.readouterr().out
