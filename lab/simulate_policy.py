@@ -106,6 +106,76 @@ def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12,
     return per_level
 
 
+def serve_waves(kind, seed, classes, conc, waves=24, tokens=256, draft_cost=1.5, plain_cost=1.05):
+    """Waves of ``conc`` requests, each of a class ``(share, p)`` drawn per request and keeping its
+    draft acceptance ``p`` to the end (a mixed set: math that accepts most drafts beside chat that
+    accepts few). ``kind``: ``ar`` (plain decoding), ``fixed`` (width 16), ``adaptive`` (the policy
+    and the fallback, one server through all waves). A step costs a plain decoding step at its batch
+    size times ``draft_cost`` with drafts, ``plain_cost`` at width 1 (the speculative step's own
+    overhead), 1 for plain decoding; ``oracle`` knows each request's ``p`` and steps at width 1
+    once no request in the batch would commit enough a step to pay for drafts. Returns each wave's seconds: a wave lasts until its slowest
+    request has its ``tokens``."""
+    from sglang_dflash.adaptive import WidthPolicy, learn_step, step_widths
+
+    rng = random.Random(seed)
+    policy, health = (WidthPolicy(16), draft_health()()) if kind == "adaptive" else (None, None)
+    out = []
+    for wave in range(waves):
+        wave_rng = random.Random(hash((seed, conc, wave)))
+        live, rid = {}, 0
+        for i in range(conc):
+            draw, p = wave_rng.random(), classes[-1][1]
+            for share, p_class in classes:
+                if draw < share:
+                    p = p_class
+                    break
+                draw -= share
+            live[(wave, i)] = [p, tokens]
+        seconds = 0.0
+        while live:
+            rids = list(live)
+            bs = len(rids)
+            width, widths = (1, None) if kind == "ar" else (16, None)
+            if kind == "oracle":  # knows each request's acceptance: plain steps once drafts cannot pay
+                best = max(live[r][0] for r in rids)
+                width = 16 if (1 - best ** 16) / (1 - best) > draft_cost / plain_cost else 1
+            if policy is not None:
+                width, widths = step_widths(policy, health, rids, bs, 16)
+            accepted = []
+            for r in rids:
+                a = 0
+                while a < width - 1 and rng.random() < live[r][0]:
+                    a += 1
+                accepted.append(a)
+            cost = (2.5 + 0.02 * bs) * (1.0 if kind == "ar" else plain_cost if width == 1 else draft_cost)
+            cost *= 1 + 0.05 * rng.random()
+            seconds += cost / 1000
+            if policy is not None:
+                learn_step(policy, health, width, bs, rids, widths, accepted, cost / 1000)
+            for r, a in zip(rids, accepted):
+                live[r][1] -= a + 1
+                if live[r][1] <= 0:
+                    del live[r]
+        out.append(seconds)
+    return out
+
+
+def mixed_waves(seeds: int, draft_cost: float) -> None:
+    """A mixed set in waves against plain decoding: each wave's speed-up, geometric mean over waves."""
+    import math
+
+    for name, classes in (("math+chat", ((0.5, 0.85), (0.5, 0.25))), ("mostly math", ((0.9, 0.85), (0.1, 0.25))),
+                          ("chat", ((1.0, 0.3),))):
+        for conc in (1, 8, 32, 64):
+            ratios = {"fixed": [], "adaptive": [], "oracle": []}
+            for seed in range(seeds):
+                ar = serve_waves("ar", seed, classes, conc, draft_cost=draft_cost)
+                for kind in ratios:
+                    ratios[kind] += [a / s for a, s in zip(ar, serve_waves(kind, seed, classes, conc, draft_cost=draft_cost))]
+            print(f"{name:12s} c{conc:<3d} over plain decoding: " + ", ".join(
+                f"{kind} {math.exp(statistics.fmean(map(math.log, r))):.3f}" for kind, r in ratios.items()))
+
+
 def host_time(batch_sizes=(1, 4, 16, 64), steps=20000, warm=2000):
     """Microseconds a step of the policy's own calls take, as the worker makes them: the widths
     before the step, what it taught after it (requests leaving now and then)."""
@@ -169,7 +239,12 @@ def main():
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--host", action="store_true", help="print the policy's host time a step instead")
     ap.add_argument("--cuda", action="store_true", help="with --host: also the CUDA calls that time a step")
+    ap.add_argument("--mixed-waves", type=float, metavar="DRAFT_COST",
+                    help="a mixed set in waves against plain decoding instead, a step with drafts costing "
+                         "DRAFT_COST plain steps")
     args = ap.parse_args()
+    if args.mixed_waves:
+        return mixed_waves(args.seeds, args.mixed_waves)
     if args.cuda and not args.host:
         ap.error("--cuda goes with --host")
     if args.host:
