@@ -2,8 +2,9 @@
 
 A step at width w verifies the bonus and the first w - 1 drafts; width 1 is a plain decode step
 (no draft pass). It commits on average ``1 + sum_{k<w} p_1 ... p_k`` tokens, where p_k is the
-chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`), and it
-costs the step time at that width and batch size (:class:`StepCosts`, measured while serving).
+chance that draft k is accepted once drafts 1..k-1 were (:class:`AcceptanceByPosition`, kept per
+batch-size bucket over the server's), and it costs the step time at that width and batch size
+(:class:`StepCosts`, measured while serving).
 :class:`WidthPolicy` picks the width with the best ratio, timing a width a few times per batch-size
 bucket before trusting its cost, and measuring again now and then the widths that could still
 win (and full width, whose steps alone show the deeper positions' acceptance). Changing width
@@ -35,9 +36,13 @@ def bucket(bs: int) -> int:
 class AcceptanceByPosition:
     """Running conditional acceptance per drafted position, decayed so it follows the workload."""
 
-    def __init__(self, block_size: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
+    def __init__(self, block_size: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0,
+                 parent: Optional["AcceptanceByPosition"] = None):
         self.block_size, self.decay = block_size, decay
         self.prior, self.prior_weight = prior, prior_weight  # pseudo-counts: a position never seen has `prior`
+        self.parent = parent  # whose rates stand in for `prior`: a batch-size bucket's, the server's
+        self.version = 0  # updates so far: what a child's cached expectation was read at
+        self._parent_version = -1
         # Counts in units of `weight`, which grows by 1/decay a step: the older counts decay without
         # every position being touched each step (the policy's host time is a share of a short step).
         self.weight = 1.0
@@ -64,6 +69,7 @@ class AcceptanceByPosition:
         for a in accept_lens:
             histogram[a if a < top else top] += w
         self._expected = None
+        self.version += 1
 
     def _fold(self) -> None:
         """Draft k was judged in every request that accepted at least k - 1 drafts (while k < width)
@@ -80,10 +86,13 @@ class AcceptanceByPosition:
         if self.pending:
             self._fold()
         pseudo = self.prior_weight * self.weight
-        return (self.accepted[k] + self.prior * pseudo) / (self.tested[k] + pseudo)
+        prior = self.prior if self.parent is None else self.parent.rate(k)
+        return (self.accepted[k] + prior * pseudo) / (self.tested[k] + pseudo)
 
     def expected_tokens(self, width: int) -> float:
         """Mean tokens a step at ``width`` commits, the bonus included."""
+        if self.parent is not None and self.parent.version != self._parent_version:
+            self._expected, self._parent_version = None, self.parent.version
         if self._expected is None:  # every width at once: the policy asks many times a step
             totals, total, run = [0.0, 1.0], 1.0, 1.0
             for k in range(1, self.block_size):
@@ -211,7 +220,11 @@ class WidthPolicy:
         self.widths = tuple(widths or candidate_widths(block_size))
         if max(self.widths) > block_size or min(self.widths) < 1:
             raise ValueError(f"widths must lie in 1..{block_size}, got {self.widths}")
-        self.acceptance = AcceptanceByPosition(block_size)
+        self.acceptance = AcceptanceByPosition(block_size)  # every request's
+        # Each batch-size bucket's own, the server's standing in where it has few steps: where a
+        # wave's batch has shrunk to the requests that accept least, its buckets see those alone
+        # (docs/design/wave-tails.md).
+        self.by_bucket: dict[int, AcceptanceByPosition] = {}
         self.costs = StepCosts()
         self.refresh_every, self.margin = refresh_every, margin
         self.steps = 0
@@ -234,9 +247,13 @@ class WidthPolicy:
         self.asleep: dict[int, tuple] = {}
         self.sleep_steps: dict[int, int] = {}  # bucket -> the length of its next sleep (absent: SLEEP_STEPS)
 
+    def accepts_at(self, bs: int) -> AcceptanceByPosition:
+        """The acceptance a step at batch size ``bs`` is judged on: its bucket's."""
+        return self.by_bucket.get(bucket(bs)) or self.acceptance
+
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
-        return None if seconds is None else self.acceptance.expected_tokens(width) / seconds
+        return None if seconds is None else self.accepts_at(bs).expected_tokens(width) / seconds
 
     def best_possible(self, width: int, bs: int) -> float:
         """Expected tokens per second at the least a step of ``width`` can cost (unbounded when
@@ -245,7 +262,7 @@ class WidthPolicy:
         width 16 in the policy's timings), and bounded by one, width 16 went untried at a whole
         batch size."""
         floor = self.costs.lower_bound(width, bs, self.SURE_AFTER, narrower=width < max(self.widths))
-        return self.acceptance.expected_tokens(width) / floor if floor else float("inf")
+        return self.accepts_at(bs).expected_tokens(width) / floor if floor else float("inf")
 
     def sleeping(self, bs: int) -> Optional[int]:
         """Full width for this step if its bucket sleeps (a step of the policy's), else None: then
@@ -269,13 +286,14 @@ class WidthPolicy:
     def watch(self, width: int, bs: int, accept_lens: Sequence[int]) -> None:
         """A sleeping bucket's step: its acceptance is learned (its cost is not timed), and the
         bucket wakes once full width is expected to accept fewer than ``WAKE_BELOW`` of the drafts
-        it was when it fell asleep. Judged where the steps are learned, every ``MAX_UNLEARNED``."""
+        it was when it fell asleep, by the bucket's own acceptance (:meth:`accepts_at`). Judged
+        where the steps are learned, every ``MAX_UNLEARNED``."""
         self.record_later(width, bs, accept_lens, None)
         if self.unlearned:
             return
         b = bucket(bs)
         nap = self.asleep.get(b)
-        if nap is not None and self.acceptance.expected_tokens(nap[0]) - 1 < self.WAKE_BELOW * nap[3]:
+        if nap is not None and self.accepts_at(bs).expected_tokens(nap[0]) - 1 < self.WAKE_BELOW * nap[3]:
             del self.asleep[b]
             self.calm_since[b] = self.steps
             self.sleep_steps.pop(b, None)
@@ -325,7 +343,7 @@ class WidthPolicy:
         if (self.sleeps and sure and width == max(self.widths) == self.current.get(b)
                 and b not in self.confirming and b not in self.first_wins
                 and self.steps - self.calm_since.get(b, self.steps) >= self.AWAKE_STEPS):
-            accepted = self.acceptance.expected_tokens(width) - 1
+            accepted = self.accepts_at(bs).expected_tokens(width) - 1
             length = self.sleep_steps.get(b, self.SLEEP_STEPS)
             self.sleep_steps[b] = min(2 * length, self.LONGEST_SLEEP)
             self.asleep[b] = (width, self.steps + length, (b, width, "asleep"), accepted)
@@ -349,7 +367,7 @@ class WidthPolicy:
         cost = self.costs.estimate(full, bs)
         if len(drafting) < 2 or held is None or cost is None or self.costs.estimate(held, bs) is None:
             return full
-        at_most = (1 + self.acceptance.rate(1) * (full - 1)) / cost
+        at_most = (1 + self.accepts_at(bs).rate(1) * (full - 1)) / cost
         return full if at_most > self.throughput(held, bs) else min(drafting)
 
     def _measured(self, bs: int) -> list[int]:
@@ -416,8 +434,9 @@ class WidthPolicy:
             # on a noisy host (2026-11-27, H200: width 8 held at bs 8-32 through 27 confirm steps
             # of width 16, whose least read 15% cheaper than width 8's).
             beside = self.costs.typical(held, bs) if best > held else self.costs.estimate(held, bs)
-            rate = self.acceptance.expected_tokens(best) / seconds
-            if rate <= (1 + self.margin / 4) * self.acceptance.expected_tokens(held) / beside:
+            accepts = self.accepts_at(bs)
+            rate = accepts.expected_tokens(best) / seconds
+            if rate <= (1 + self.margin / 4) * accepts.expected_tokens(held) / beside:
                 self.first_wins.pop(b, None)
                 return held, True
             if best < held and (won is None or won[0] != best):  # narrower: time it again first
@@ -447,8 +466,8 @@ class WidthPolicy:
             "step": self.steps, "bucket": b, "from": held, "to": best,
             "from_ms": round(self.costs.estimate(held, b) * 1000, 3),
             "to_ms": round(self.costs.estimate(best, b) * 1000, 3), "to_fresh_ms": round(fresh * 1000, 3),
-            "from_tokens": round(self.acceptance.expected_tokens(held), 3),
-            "to_tokens": round(self.acceptance.expected_tokens(best), 3)})
+            "from_tokens": round(self.accepts_at(b).expected_tokens(held), 3),
+            "to_tokens": round(self.accepts_at(b).expected_tokens(best), 3)})
 
     def _worth_measuring(self, bs: int, chosen: int) -> Optional[int]:
         """The next width in turn that could beat ``chosen`` if it cost ``margin`` less; a width
@@ -470,7 +489,7 @@ class WidthPolicy:
                 # chosen only refreshes add more: judge it by its smaller batches' cost too, each
                 # measured once at least (the nearest bounds closest: on the 8B rig bs 64 costs 2.5x bs 1).
                 cost = min(cost, self.costs.lower_bound(w, bs, 1, narrower=False) or cost)
-            return self.acceptance.expected_tokens(w) / cost >= bar
+            return self.accepts_at(bs).expected_tokens(w) / cost >= bar
 
         candidates = [w for w in self.widths if w != chosen and could_win(w)]
         if not candidates:
@@ -486,6 +505,11 @@ class WidthPolicy:
             self.costs.observe(width, bs, seconds, self.steps if step is None else step)
         if width > 1:
             self.acceptance.update(accept_lens, width)
+            own = self.by_bucket.get(bucket(bs))
+            if own is None:
+                own = self.by_bucket[bucket(bs)] = AcceptanceByPosition(self.acceptance.block_size,
+                                                                        parent=self.acceptance)
+            own.update(accept_lens, width)
 
     @staticmethod
     def read_timing(timing) -> Optional[float]:
@@ -566,7 +590,7 @@ class WidthPolicy:
             for w in self.widths:
                 seconds = self.costs.estimate(w, b)
                 if seconds is not None:
-                    tokens = self.acceptance.expected_tokens(w)
+                    tokens = self.accepts_at(b).expected_tokens(w)
                     by_width[str(w)] = {"ms": round(seconds * 1000, 3), "tokens": round(tokens, 3),
                                         "tokens_per_ms": round(tokens / seconds / 1000, 3)}
             out[str(b)] = {"width": self.current.get(b, max(self.widths)), "by_width": by_width}

@@ -969,6 +969,7 @@ def test_a_settled_choice_is_reconsidered_every_few_steps_not_every_step():
     run_policy(policy, 4, 0.9, cost["fast_narrow"], 160, random.Random(10))
     assert len(decided) <= 160 // 8 + 160 // 16 and decided[-1] >= policy.steps - 8
     policy.acceptance = type(policy.acceptance)(16)  # drafts stop being accepted: the choice must follow
+    policy.by_bucket.clear()
     run_policy(policy, 4, 0.0, cost["slow_narrow"], 400, random.Random(11))
     assert policy.current[4] == 1
 
@@ -1127,3 +1128,24 @@ def test_a_bucket_that_changed_its_choice_sleeps_the_shortest_sleep_again():
     assert policy.current[4] == 1 and 4 not in policy.sleep_steps and not policy.asleep
     runs = runs_asleep(serve_steps(policy, None, 0.95, cost, 3000, rng))
     assert policy.current[4] == 16 and runs and runs[0][1] - runs[0][0] == WidthPolicy.SLEEP_STEPS - 1, runs
+
+
+def test_a_bucket_the_batch_shrinks_into_judges_widths_on_its_own_acceptance():
+    """A wave's requests that accept least are the last in its batch (docs/design/wave-tails.md):
+    the buckets it shrinks into see them alone. Judged on the server's acceptance, full width would
+    stay held there; each bucket's own acceptance (the server's standing in for steps it has not
+    seen) chooses plain steps, while the full batch keeps full width."""
+    def cost(w, b):  # host-bound: drafts cost half a plain step more at any width
+        return 1.0 + (0.5 if w > 1 else 0.0) + 0.001 * w
+
+    rng = random.Random(5)
+    expected = {p: sum(p ** k for k in range(16)) / cost(16, 8) for p in (0.9, 0.2)}
+    assert expected[0.9] > 1 / cost(1, 8) > expected[0.2]  # what the case means
+    policy = WidthPolicy(16)
+    for _ in range(40):  # waves: the full batch, then its slowest requests alone
+        serve_steps(policy, None, 0.9, cost, 60, rng, bs=64)
+        serve_steps(policy, None, 0.2, cost, 20, rng, bs=8)
+    assert policy.current[64] == 16 and policy.current[8] == 1
+    assert policy.acceptance.expected_tokens(16) > 3  # the server's, mostly the full batch's steps
+    assert policy.accepts_at(8).expected_tokens(16) < 1.5
+    assert policy.held()["8"]["by_width"]["16"]["tokens"] < 1.5  # shown as chosen on
