@@ -7,8 +7,10 @@ the same, width 1 15% less, a single narrower verify 0.7 ms more, the first veri
 stretches. Prints adaptive / fixed 16 per level, the share of steps asleep (``WidthPolicy.sleeping``)
 and the steps not at width 16, by rule.
 
-    python3 lab/simulate_policy.py [--seeds 4] [--host [--cuda]]
+    python3 lab/simulate_policy.py [--seeds 4] [--host [--cuda] | --mixed-waves DRAFT_COST]
 
+``--mixed-waves`` runs instead waves of mixed sets against plain decoding, each request keeping its
+own acceptance, a step with drafts at ``DRAFT_COST`` plain steps (docs/design/wave-tails.md).
 ``--host`` prints instead the policy's own host time a step (``step_widths`` and ``learn_step``)
 at bs 1-64, on this machine's CPU; ``--cuda`` adds the CUDA calls with which the worker times a
 step (an event recorded, then queried and read against the step before's).
@@ -113,8 +115,8 @@ def serve_waves(kind, seed, classes, conc, waves=24, tokens=256, draft_cost=1.5,
     and the fallback, one server through all waves). A step costs a plain decoding step at its batch
     size times ``draft_cost`` with drafts, ``plain_cost`` at width 1 (the speculative step's own
     overhead), 1 for plain decoding; ``oracle`` knows each request's ``p`` and steps at width 1
-    once no request in the batch would commit enough a step to pay for drafts. Returns each wave's seconds: a wave lasts until its slowest
-    request has its ``tokens``."""
+    once no request in the batch would commit enough a step to pay for drafts. Returns each
+    wave's seconds: a wave lasts until its slowest request has its ``tokens``."""
     from sglang_dflash.adaptive import WidthPolicy, learn_step, step_widths
 
     rng = random.Random(seed)
@@ -122,7 +124,7 @@ def serve_waves(kind, seed, classes, conc, waves=24, tokens=256, draft_cost=1.5,
     out = []
     for wave in range(waves):
         wave_rng = random.Random(hash((seed, conc, wave)))
-        live, rid = {}, 0
+        live = {}
         for i in range(conc):
             draw, p = wave_rng.random(), classes[-1][1]
             for share, p_class in classes:
@@ -243,6 +245,8 @@ def main():
                     help="a mixed set in waves against plain decoding instead, a step with drafts costing "
                          "DRAFT_COST plain steps")
     args = ap.parse_args()
+    if args.mixed_waves and args.host:
+        ap.error("--mixed-waves and --host are two runs")
     if args.mixed_waves:
         return mixed_waves(args.seeds, args.mixed_waves)
     if args.cuda and not args.host:
