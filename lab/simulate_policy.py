@@ -75,6 +75,8 @@ def serve(adaptive, seed, easy, hard, levels=(1, 2, 4, 8, 16, 32, 64), waves=12,
             for i in range(conc):
                 live[rid] = Request(random.Random(hash((seed, conc, wave, i))), easy, hard, tokens)
                 rid += 1
+            if policy is not None and hasattr(policy, "admitted"):  # the wave's prefill
+                policy.admitted(conc, conc)
             while live:
                 rids = list(live)
                 bs = len(rids)
@@ -134,6 +136,8 @@ def serve_waves(kind, seed, classes, conc, waves=24, tokens=256, draft_cost=1.5,
                 draw -= share
             live[(wave, i)] = [p, tokens]
         seconds = 0.0
+        if policy is not None and hasattr(policy, "admitted"):  # the wave's prefill
+            policy.admitted(conc, conc)
         while live:
             rids = list(live)
             bs = len(rids)

@@ -214,6 +214,7 @@ class WidthPolicy:
     SLEEP_STEPS = 448
     LONGEST_SLEEP = 8 * SLEEP_STEPS
     WAKE_BELOW = 0.8  # of the drafts a full-width step was expected to accept when the bucket fell asleep
+    FRESH_STEPS = 2  # full-width steps of a bucket held narrow once its batch is mostly new (:meth:`admitted`)
 
     def __init__(self, block_size: int, widths: Optional[Sequence[int]] = None, refresh_every: int = 16,
                  margin: float = 0.1, decide_every: int = 8, sleeps: bool = True):
@@ -246,10 +247,26 @@ class WidthPolicy:
         # expected to accept at full width when it fell asleep)
         self.asleep: dict[int, tuple] = {}
         self.sleep_steps: dict[int, int] = {}  # bucket -> the length of its next sleep (absent: SLEEP_STEPS)
+        self.fresh: dict[int, int] = {}  # bucket -> full-width steps still due to its new requests
 
     def accepts_at(self, bs: int) -> AcceptanceByPosition:
         """The acceptance a step at batch size ``bs`` is judged on: its bucket's."""
         return self.by_bucket.get(bucket(bs)) or self.acceptance
+
+    def admitted(self, joined: int, bs: int) -> None:
+        """``joined`` requests entered a batch now ``bs`` strong (a prefill): where they are half of
+        it or more and its bucket holds a narrower width than full, the bucket's acceptance
+        described requests mostly gone, and the bucket is judged on the server's again from its next
+        decision (at c1, a request that accepts most drafts after one that accepted none would
+        otherwise run at the narrow width chosen for the one before it: narrow steps teach nothing
+        of the deeper drafts, and the old steps outweigh a probe's). The bucket's next
+        ``FRESH_STEPS`` steps verify the full width, so its new acceptance starts from the new
+        requests' own. A bucket at full width keeps learning as it is, asleep or not."""
+        b = bucket(bs)
+        if 2 * joined >= bs and self.current.get(b, max(self.widths)) < max(self.widths):
+            self.by_bucket.pop(b, None)
+            self.settled.pop(b, None)
+            self.fresh[b] = self.FRESH_STEPS
 
     def throughput(self, width: int, bs: int) -> Optional[float]:
         seconds = self.costs.estimate(width, bs)
@@ -307,6 +324,13 @@ class WidthPolicy:
         samples to confirm it, and width 16 held 2,493 steps at 38.5 ms for 2.05 tokens against
         width 1's 9.6 ms for 1)."""
         b = bucket(bs)
+        if self.fresh and b in self.fresh:  # a batch mostly new to a narrow bucket (:meth:`admitted`)
+            self.fresh[b] -= 1
+            if not self.fresh[b]:
+                del self.fresh[b]
+            self.steps += timed
+            self.reasons[b, max(self.widths), "admitted"] += 1
+            return max(self.widths)
         held = self.settled.get(b)
         if not timed:
             width = held[0] if held is not None else self.current.get(b, max(self.widths))
@@ -569,8 +593,8 @@ class WidthPolicy:
 
     def choices(self) -> dict[str, dict[str, int]]:
         """Steps per ``"width@batch bucket"`` and the rule that chose them (``first_try``, ``best``,
-        ``refresh``, ``deep_refresh``, ``confirm``, ``asleep``, ``untimed``, ``fallback``): why a
-        width ran where its cost says it should not."""
+        ``refresh``, ``deep_refresh``, ``confirm``, ``asleep``, ``untimed``, ``fallback``,
+        ``admitted``): why a width ran where its cost says it should not."""
         out: dict[str, dict[str, int]] = {}
         for (b, w, why), n in sorted(self.reasons.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
             out.setdefault(f"{w}@{b}", {})[why] = n
@@ -626,6 +650,9 @@ class CyclingWidths:
 
     def sleeping(self, bs: int) -> None:
         return None  # every step its turn
+
+    def admitted(self, joined: int, bs: int) -> None:
+        pass  # it learns nothing to forget
 
     def choose(self, bs: int, timed: bool = True) -> int:
         width = self.widths[self.steps // self.hold % len(self.widths)]

@@ -130,6 +130,10 @@ def decode_may_reach_track(committed_cpu: torch.Tensor, interval: int, block_siz
 class DFlashWorker(DraftContext, BaseSpecWorker):
     """Spec-v2 worker for ``--speculative-algorithm DFLASH`` (see the module docstring)."""
 
+    # Requests prefilled since the last decode step: the width policy hears of them there. On the
+    # class too, as unknown names go to the target worker (``__getattr__``).
+    joined = 0
+
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
         super().__init__()  # ``ps`` (parallel state) comes up to SGLang 0.5.20 only
         self.release = compat.running()
@@ -500,6 +504,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         for a step of a bucket that sleeps at full width."""
         if self.width_policy is None:
             return self.block_size, None
+        if self.joined:
+            self.width_policy.admitted(self.joined, bs)
+            self.joined = 0
         if not self.ragged:  # step_widths asks too; here before the batch's ids, which a sleeping step skips
             held = self.width_policy.sleeping(bs)
             if held is not None:
@@ -546,6 +553,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         self.prefills += 1
         self.prefills_in_graphs += bool(getattr(result, "can_run_cuda_graph", False))
+        self.joined += len(batch.reqs)
         if getattr(batch, "input_ids", None) is not None:
             self.draft_head.observe(batch.input_ids, checked=True)
         result.new_seq_lens = batch.seq_lens

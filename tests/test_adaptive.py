@@ -1149,3 +1149,40 @@ def test_a_bucket_the_batch_shrinks_into_judges_widths_on_its_own_acceptance():
     assert policy.acceptance.expected_tokens(16) > 3  # the server's, mostly the full batch's steps
     assert policy.accepts_at(8).expected_tokens(16) < 1.5
     assert policy.held()["8"]["by_width"]["16"]["tokens"] < 1.5  # shown as chosen on
+
+
+def test_a_new_request_after_one_that_accepted_nothing_is_judged_on_its_own_drafts():
+    """c1: a request whose drafts all fail leaves width 1 held, and narrow steps teach nothing of the
+    drafts, so the next request (whose drafts land) stayed at width 1 for 600 steps. Told of the
+    admission (:meth:`WidthPolicy.admitted`), the bucket verifies full width for its first steps and
+    holds it within a few."""
+    def cost(w, b):
+        return 1.0 + (0.5 if w > 1 else 0.0) + 0.001 * w
+
+    def steps_to_full_width(told):
+        rng, policy = random.Random(2), WidthPolicy(16)
+        serve_steps(policy, None, 0.9, cost, 300, rng, bs=1)
+        serve_steps(policy, None, 0.0, cost, 1500, rng, bs=1)
+        assert policy.current[1] == 1
+        if told:
+            policy.admitted(1, 1)
+        widths = [w for w, _, _ in serve_steps(policy, None, 0.9, cost, 600, rng, bs=1)]
+        return next((i for i in range(len(widths)) if widths[i:i + 20].count(16) >= 18), None)
+
+    assert steps_to_full_width(False) is None
+    assert steps_to_full_width(True) <= 8
+
+
+def test_an_admission_leaves_a_full_width_bucket_and_a_few_new_requests_alone():
+    policy = WidthPolicy(16)
+    run_policy(policy, 8, 0.9, lambda w, b: 1.0 + 0.001 * w, 200, random.Random(3))
+    assert policy.current[8] == 16
+    learned = policy.accepts_at(8)
+    policy.admitted(8, 8)  # the whole batch new, but the bucket holds full width: nothing to forget
+    assert policy.accepts_at(8) is learned and not policy.fresh
+    policy.current[8] = 1
+    policy.admitted(3, 8)  # fewer than half new: the bucket's acceptance still describes its batch
+    assert policy.accepts_at(8) is learned and not policy.fresh
+    policy.admitted(4, 8)
+    assert policy.accepts_at(8) is policy.acceptance and policy.fresh == {8: WidthPolicy.FRESH_STEPS}
+    assert [policy.choose(8, timed) for timed in (False, True, True)][:2] == [16, 16] and not policy.fresh

@@ -1672,3 +1672,27 @@ def test_a_ragged_verify_packs_each_requests_lanes_and_accepts_what_each_would_a
     widths = [B] * bs  # a uniform block: the first bs * B rows are the dense block
     logits_output, _, _ = DFlashWorker.verify_step(worker, SimpleNamespace(), block, widths)
     assert block.lanes is None and logits_output.next_token_logits.shape == (bs * B, vocab)
+
+
+def test_the_width_policy_hears_of_each_prefills_requests_at_the_next_decode_step():
+    from sglang_dflash.worker import DFlashWorker
+
+    heard = []
+    policy = SimpleNamespace(admitted=lambda joined, bs: heard.append((joined, bs)), sleeping=lambda bs: None,
+                             choose=lambda bs, timed=True: 16)
+    worker = object.__new__(DFlashWorker)
+    worker.width_policy, worker.fallback, worker.ragged, worker.block_size = policy, None, False, 16
+    worker.clock, worker.stalls = SimpleNamespace(times_next=True), StepStalls()
+    worker.prefills = worker.prefills_in_graphs = 0
+    worker._target_worker = SimpleNamespace(forward_batch_generation=lambda batch, capture_hidden_mode: SimpleNamespace(
+        logits_output=SimpleNamespace(hidden_states=torch.zeros(5, 4)),
+        next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64)))
+    worker.output_counts = SimpleNamespace(start=lambda reqs: None)
+    worker.draft_head = SimpleNamespace(observe=lambda ids, checked: None)
+    worker.write_prefill_context = lambda batch, hidden: None
+    for reqs in (["a", "b"], ["c"]):  # two prefills before a decode step
+        batch = SimpleNamespace(reqs=reqs, input_ids=None, seq_lens=torch.full((len(reqs),), 7))
+        DFlashWorker.prefill_step(worker, batch, None)
+    assert DFlashWorker.choose_widths(worker, None, 4) == (16, None) and heard == [(3, 4)]
+    DFlashWorker.choose_widths(worker, None, 4)
+    assert heard == [(3, 4)]  # once
