@@ -486,12 +486,13 @@ class WidthPolicy:
         """What a bucket's held width was replaced on: each width's cost estimate (the least of its
         recent samples, the held width's from both sides of the new one's), the new width's own
         fresh sample, and the tokens each is expected to commit."""
+        accepts = self.accepts_at(b)
         self.switch_log.append({
             "step": self.steps, "bucket": b, "from": held, "to": best,
             "from_ms": round(self.costs.estimate(held, b) * 1000, 3),
             "to_ms": round(self.costs.estimate(best, b) * 1000, 3), "to_fresh_ms": round(fresh * 1000, 3),
-            "from_tokens": round(self.accepts_at(b).expected_tokens(held), 3),
-            "to_tokens": round(self.accepts_at(b).expected_tokens(best), 3)})
+            "from_tokens": round(accepts.expected_tokens(held), 3),
+            "to_tokens": round(accepts.expected_tokens(best), 3)})
 
     def _worth_measuring(self, bs: int, chosen: int) -> Optional[int]:
         """The next width in turn that could beat ``chosen`` if it cost ``margin`` less; a width
@@ -503,6 +504,7 @@ class WidthPolicy:
         if held is None:  # the held width is not timed at this bucket yet (:meth:`_best`): this step times it
             return None
         bar = held * (1 - self.margin)
+        accepts = self.accepts_at(bs)
 
         def could_win(w: int) -> bool:
             if self.costs.count(w, bs) < self.SURE_AFTER:
@@ -513,7 +515,7 @@ class WidthPolicy:
                 # chosen only refreshes add more: judge it by its smaller batches' cost too, each
                 # measured once at least (the nearest bounds closest: on the 8B rig bs 64 costs 2.5x bs 1).
                 cost = min(cost, self.costs.lower_bound(w, bs, 1, narrower=False) or cost)
-            return self.accepts_at(bs).expected_tokens(w) / cost >= bar
+            return accepts.expected_tokens(w) / cost >= bar
 
         candidates = [w for w in self.widths if w != chosen and could_win(w)]
         if not candidates:
@@ -529,10 +531,10 @@ class WidthPolicy:
             self.costs.observe(width, bs, seconds, self.steps if step is None else step)
         if width > 1:
             self.acceptance.update(accept_lens, width)
-            own = self.by_bucket.get(bucket(bs))
+            b = bucket(bs)
+            own = self.by_bucket.get(b)
             if own is None:
-                own = self.by_bucket[bucket(bs)] = AcceptanceByPosition(self.acceptance.block_size,
-                                                                        parent=self.acceptance)
+                own = self.by_bucket[b] = AcceptanceByPosition(self.acceptance.block_size, parent=self.acceptance)
             own.update(accept_lens, width)
 
     @staticmethod
@@ -610,11 +612,11 @@ class WidthPolicy:
         self._learn()
         out: dict[str, dict] = {}
         for b in sorted(set(self.current) | {b for _, b in self.costs.seconds}):
-            by_width = {}
+            by_width, accepts = {}, self.accepts_at(b)
             for w in self.widths:
                 seconds = self.costs.estimate(w, b)
                 if seconds is not None:
-                    tokens = self.accepts_at(b).expected_tokens(w)
+                    tokens = accepts.expected_tokens(w)
                     by_width[str(w)] = {"ms": round(seconds * 1000, 3), "tokens": round(tokens, 3),
                                         "tokens_per_ms": round(tokens / seconds / 1000, 3)}
             out[str(b)] = {"width": self.current.get(b, max(self.widths)), "by_width": by_width}
