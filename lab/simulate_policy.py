@@ -168,8 +168,6 @@ def serve_waves(kind, seed, classes, conc, waves=24, tokens=256, draft_cost=1.5,
 
 def mixed_waves(seeds: int, draft_cost: float) -> None:
     """A mixed set in waves against plain decoding: each wave's speed-up, geometric mean over waves."""
-    import math
-
     for name, classes in (("math+chat", ((0.5, 0.85), (0.5, 0.25))), ("mostly math", ((0.9, 0.85), (0.1, 0.25))),
                           ("chat", ((1.0, 0.3),))):
         for conc in (1, 8, 32, 64):
@@ -179,7 +177,7 @@ def mixed_waves(seeds: int, draft_cost: float) -> None:
                 for kind in ratios:
                     ratios[kind] += [a / s for a, s in zip(ar, serve_waves(kind, seed, classes, conc, draft_cost=draft_cost))]
             print(f"{name:12s} c{conc:<3d} over plain decoding: " + ", ".join(
-                f"{kind} {math.exp(statistics.fmean(map(math.log, r))):.3f}" for kind, r in ratios.items()))
+                f"{kind} {statistics.geometric_mean(r):.3f}" for kind, r in ratios.items()))
 
 
 def host_time(batch_sizes=(1, 4, 16, 64), steps=20000, warm=2000):

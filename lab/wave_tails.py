@@ -13,23 +13,22 @@ mean request, and the step cost of A over B that the slowest request's steps and
 
 import argparse
 import json
-import math
-import statistics
+from statistics import geometric_mean
+from typing import Optional
 
 from sglang_dflash.bench.stats import wave_tails
 
 
-def geomean(values):
-    return math.exp(statistics.fmean(math.log(v) for v in values))
-
-
-def level_reading(a: dict, b: dict) -> dict:
-    """One level's waves of ``a`` beside the same waves of ``b`` (interleaved rows, same prompts)."""
+def level_reading(a: dict, b: dict) -> Optional[dict]:
+    """One level's waves of ``a`` beside the same waves of ``b`` (interleaved rows, same prompts);
+    None where either row has no waves to read."""
     tails_a, tails_b = wave_tails(a), wave_tails(b)
+    if not tails_a or not tails_b:
+        return None
     n = min(len(tails_a), len(tails_b), len(a["wave_tok_s"]), len(b["wave_tok_s"]))
-    ratio = geomean(a["wave_tok_s"][i] / b["wave_tok_s"][i] for i in range(n))
-    by_slowest = geomean(tails_b[i]["slowest"] / tails_a[i]["slowest"] for i in range(n))
-    by_mean = geomean(tails_b[i]["mean"] / tails_a[i]["mean"] for i in range(n))
+    ratio = geometric_mean(a["wave_tok_s"][i] / b["wave_tok_s"][i] for i in range(n))
+    by_slowest = geometric_mean(tails_b[i]["slowest"] / tails_a[i]["slowest"] for i in range(n))
+    by_mean = geometric_mean(tails_b[i]["mean"] / tails_a[i]["mean"] for i in range(n))
     return {"waves": n, "ratio": round(ratio, 3), "steps_ratio_slowest": round(by_slowest, 3),
             "steps_ratio_mean": round(by_mean, 3), "step_cost_a_over_b": round(by_slowest / ratio, 3),
             "accept_length": a.get("accept_length")}
@@ -50,9 +49,9 @@ def main():
         by = {(r["label"], r["dataset"], r["concurrency"]): r for r in rows}
         for (label, dataset, conc), a in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
             b = by.get((b_label, dataset, conc))
-            if label != a_label or b is None or not wave_tails(a) or not wave_tails(b):
+            r = level_reading(a, b) if label == a_label and b is not None else None
+            if r is None:
                 continue
-            r = level_reading(a, b)
             tau = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
             print(f"| {dataset} | {conc} | {r['waves']} | {r['ratio']:.3f} | {r['steps_ratio_slowest']:.2f} "
                   f"| {r['steps_ratio_mean']:.2f} | {r['step_cost_a_over_b']:.2f} | {tau} |")
