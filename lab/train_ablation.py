@@ -7,11 +7,14 @@ and the same time budget, scored on the same held-out examples.
 
 Each variant is one ``sglang-dflash-train`` run into ``OUT/NAME`` (resumed if its folder holds a saved
 state), trained on ``--examples`` (``--examples-share F``: its first F of them) with ``--max-minutes``
-and a save every ``--save-every`` steps. The held-out examples are the same for every variant: the
-first ``--eval-examples`` of the file (``OUT/held-out.jsonl``, the trainer's ``--eval-file``), never
-trained on. Writes ``OUT/ablation.json`` and ``OUT/ablation.md`` (variant, its arguments, steps,
-training minutes, held-out accept length at the end) and ``OUT/ablation.png`` (held-out accept length
-at each save against training minutes, one line per variant).
+and a save every ``--save-every`` steps. The held-out examples are the same for every variant: at
+least ``--eval-examples`` of them, whole prompts drawn with seed 0 (``OUT/held-out.jsonl``, the
+trainer's ``--eval-file``); no response to a held-out prompt is trained on. Variants are ranked by
+the accept length greedy serving would count on them (``eval_served_accept_len``,
+``sglang_dflash/train/held_out.py``), not by the mean at random positions, which runs higher.
+Writes ``OUT/ablation.json`` and ``OUT/ablation.md`` (variant, its arguments, steps, training
+minutes, both accept lengths at the end) and ``OUT/ablation.png`` (the served accept length at each
+save against training minutes, one line per variant).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 
 from sglang_dflash.train.data import load_examples, save_examples
+from sglang_dflash.train.held_out import split_eval
 
 SHARE_FLAG = "--examples-share"
 
@@ -86,15 +90,20 @@ def run_variant(out_dir: str, name: str, args: list[str], common: list, pool: li
     return {"name": name, "args": shlex.join(args) + (f" {SHARE_FLAG} {share}" if share < 1 else ""), "rc": rc,
             "trained_examples": len(kept), "steps": rows[-1]["step"] if rows else 0,
             "minutes": round(train_minutes(out), 2),
-            "accept_length": rows[-1]["eval_accept_len"] if rows else None,
-            "curve": [(r["step"], r["eval_accept_len"]) for r in rows]}
+            "accept_length": rows[-1]["eval_served_accept_len"] if rows else None,
+            "accept_length_random_positions": rows[-1]["eval_accept_len"] if rows else None,
+            "curve": [(r["step"], r["eval_served_accept_len"]) for r in rows]}
 
 
 def markdown(results: list[dict], settings: dict) -> str:
     lines = ["# Draft training ablation", ""] + [f"- {k}: `{v}`" for k, v in settings.items()] + [""]
-    lines += ["| variant | arguments | examples | steps | minutes | held-out accept length |", "|---|---|---|---|---|---|"]
+    lines += ["| variant | arguments | examples | steps | minutes | held-out accept length, served "
+              "| at random positions |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        accept = f"{r['accept_length']:.2f}" if r["accept_length"] is not None else f"failed (exit {r['rc']})"
+        if r["accept_length"] is None:
+            accept = f"failed (exit {r['rc']}) | -"
+        else:
+            accept = f"{r['accept_length']:.2f} | {r['accept_length_random_positions']:.2f}"
         lines.append(f"| {r['name']} | `{r['args'] or '-'}` | {r['trained_examples']} | {r['steps']} | {r['minutes']} | {accept} |")
     return "\n".join(lines) + "\n"
 
@@ -113,7 +122,7 @@ def plot(results: list[dict], path: str) -> None:
             per_step = r["minutes"] / r["steps"]
             ax.plot([s * per_step for s, _ in r["curve"]], [a for _, a in r["curve"]], marker="o", label=r["name"])
     ax.set_xlabel("training minutes")
-    ax.set_ylabel("held-out accept length")
+    ax.set_ylabel("held-out accept length, as serving counts it")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -132,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", required=True, help="examples.jsonl[.xz] the target regenerated earlier")
     ap.add_argument("--variant", action="append", type=parse_variant, required=True, help="NAME=ARGS, repeatable")
     ap.add_argument("--minutes", type=float, default=8.0, help="training minutes a variant")
-    ap.add_argument("--eval-examples", type=int, default=256, help="held out of every variant, the same ones")
+    ap.add_argument("--eval-examples", type=int, default=256,
+                    help="at least this many, whole prompts, held out of every variant: the same ones")
     ap.add_argument("--save-every", type=int, default=250, help="steps between checkpoints (each scored)")
     args = ap.parse_args(argv)
     names = [n for n, _ in args.variant]
@@ -143,17 +153,18 @@ def main(argv=None) -> int:
     examples = load_examples(args.examples)
     if len(examples) <= args.eval_examples:
         ap.error(f"--examples holds {len(examples)} examples, not more than --eval-examples {args.eval_examples}")
+    pool, held = split_eval(examples, args.eval_examples, seed=0)
     for _, variant_args in args.variant:
         split_share(variant_args)  # a bad share stops here, before any training
     os.makedirs(args.out, exist_ok=True)
     held_file = os.path.join(args.out, "held-out.jsonl")
-    save_examples(examples[:args.eval_examples], held_file)
+    save_examples(held, held_file)
     results = []
     for name, variant_args in args.variant:
-        results.append(run_variant(args.out, name, variant_args, common, examples[args.eval_examples:], held_file,
+        results.append(run_variant(args.out, name, variant_args, common, pool, held_file,
                                    args.target, args.minutes, args.save_every))
         settings = {"target": args.target, "examples": args.examples, "minutes a variant": args.minutes,
-                    "held-out examples": args.eval_examples, "common arguments": shlex.join(common) or "-"}
+                    "held-out examples": len(held), "common arguments": shlex.join(common) or "-"}
         with open(os.path.join(args.out, "ablation.json"), "w") as f:  # after each variant: a cut run keeps them
             json.dump({"settings": settings, "variants": results}, f, indent=1)
         with open(os.path.join(args.out, "ablation.md"), "w") as f:

@@ -11,8 +11,9 @@ from sglang_dflash.config import TargetInfo, load_and_validate
 from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
-from sglang_dflash.train.trainer import (FrozenTarget, TrainConfig, block_accept_lengths, block_batch, lm_loss,
-                                        load_trained_draft, lr_at, run_progress, split_eval, train)
+from sglang_dflash.train.batch import FrozenTarget, block_accept_lengths, block_batch, lm_loss
+from sglang_dflash.train.held_out import served_accept_lengths, served_steps, split_eval
+from sglang_dflash.train.trainer import TrainConfig, load_trained_draft, lr_at, run_progress, train
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
 
@@ -153,7 +154,7 @@ def test_init_from_starts_with_the_given_weights_and_refuses_another_shape(tiny_
 def test_held_out_examples_are_scored_at_each_save_and_never_trained_on(tiny_target, tmp_path):
     path, model, tok, examples = tiny_target
     train_part, held = split_eval(examples, 4, seed=0)
-    assert len(held) == 4 and len(train_part) == len(examples) - 4
+    assert len(held) == 4 and len(train_part) == len(examples) - 4  # a response a prompt: 4 prompts
     assert not {id(e) for e in held} & {id(e) for e in train_part}
     assert held == split_eval(examples, 4, seed=0)[1]  # the same on a resume
     out = str(tmp_path / "draft")
@@ -163,8 +164,62 @@ def test_held_out_examples_are_scored_at_each_save_and_never_trained_on(tiny_tar
     rows = [json.loads(x) for x in open(os.path.join(out, "eval_log.jsonl"))]
     assert [r["step"] for r in rows] == [5, 10]
     assert all(r["eval_loss"] > 0 and 0 <= r["eval_acc"] <= 1 and 1 <= r["eval_accept_len"] <= 4 for r in rows)
+    assert all(1 <= r["eval_served_accept_len"] <= 4 for r in rows)
     with pytest.raises(SystemExit, match="leaves nothing to train on"):
         split_eval(examples, len(examples), seed=0)
+
+
+def test_a_held_out_prompt_takes_all_its_responses_out_of_training(tiny_target):
+    from sglang_dflash.train.data import Example
+
+    _, _, _, examples = tiny_target
+    # Three responses to each prompt, as --samples 3 writes them: siblings must not straddle the split.
+    siblings = [Example(e.ids[:e.response_start] + e.ids[e.response_start:][::k], e.response_start)
+                for e in examples for k in (1, 2, 3)]
+    train_part, held = split_eval(siblings, 5, seed=0)
+    prompt = lambda e: tuple(e.ids[:e.response_start])  # noqa: E731
+    assert {prompt(e) for e in held}.isdisjoint({prompt(e) for e in train_part})
+    assert len(held) == 6 and len(train_part) == len(siblings) - 6  # two whole prompts
+    with pytest.raises(SystemExit, match="leaves nothing to train on"):
+        split_eval(siblings, len(siblings) - 1, seed=0)
+
+
+def test_served_steps_walk_a_response_by_the_accept_length_where_each_step_starts():
+    lengths = [3, 1, 9, 2, 1, 4, 1, 1]  # blocks anchored at a 9-token response's tokens 0..7
+    assert served_steps(lengths) == [3, 2, 3]  # from 0: +3 -> 3, +2 -> 5, +4 cut to 3 -> 8, the last token
+    assert served_steps([]) == []  # prefill's token alone: no step
+    # Random positions weigh the long run at 4 as much as each short one; the walk lands on it once.
+    assert served_steps([1] * 4 + [16] * 16) == [1, 1, 1, 1, 16]
+
+
+def test_the_served_accept_length_counts_the_steps_of_the_reference_loop(tiny_target, tmp_path):
+    """On responses the float32 target wrote greedily, the walk over blocks anchored everywhere gives
+    the reference loop's own steps: each step's length but the last (the loop records the last before
+    max_new_tokens cuts it), and so the same count of steps."""
+    from sglang_dflash.reference import draft_proposer
+    from sglang_dflash.train.data import Example
+
+    path, model, tok, examples = tiny_target
+    out = str(tmp_path / "draft")
+    cfg = TrainConfig(out_dir=out, block_size=4, draft_layers=1, steps=40, batch_size=8, lr=3e-3, anchors=8,
+                      save_every=1000, max_length=128)
+    train(model, tok, examples, cfg, log=lambda *a: None)
+    draft = load_trained_draft(out)
+    target = FrozenTarget(model, draft.cfg.target_layer_ids)
+    loops, walked = [], []
+    for i, p in enumerate(PROMPTS[:8]):
+        ids = render(tok, p)
+        got = speculative_generate(target, draft_proposer(draft, target), ids, 6 + 4 * i, 4, draft.cfg.mask_token_id,
+                                   draft.cfg.target_layer_ids)  # responses of many lengths in one batch
+        loops.append(got.accept_lengths)
+        walked.append(Example(ids + got.tokens, len(ids)))
+    # Three anchors a pass: the walk's blocks come from several passes per row.
+    steps = served_accept_lengths(draft, target, walked, TrainConfig(**{**cfg.__dict__, "anchors": 3}),
+                                  draft.cfg.mask_token_id, tok.pad_token_id or 0)
+    assert [s[:-1] for s in steps] == [s[:-1] for s in loops]
+    assert [len(s) for s in steps] == [len(s) for s in loops]
+    lengths = [n for s in loops for n in s[:-1]]
+    assert 1 in lengths and max(lengths) == 4  # the draft misses and lands: the walk is tested on both
 
 
 def test_chunked_lm_loss_equals_the_whole_loss_with_its_gradient():
@@ -201,7 +256,7 @@ def test_block_accept_lengths_follow_the_serving_rule():
     valid[1, 0] = False  # an unused anchor slot
     got = block_accept_lengths(flags[supervised], supervised.view(rows, -1), valid, size)
     expected[2, 3] = 1 + int(flags[2, 3, 1])
-    assert got.tolist() == expected[valid].tolist()
+    assert got[valid].tolist() == expected[valid].tolist() and not got[~valid].any()
     assert expected.max() > 2  # the draws include accepted runs
 
 
@@ -742,6 +797,7 @@ def test_the_ablation_runs_each_variant_on_the_same_held_out_examples(tiny_targe
     assert [v["name"] for v in got] == ["base", "half"]
     assert [v["trained_examples"] for v in got] == [len(examples) - 4, round(0.5 * (len(examples) - 4))]
     assert all(v["steps"] == 4 and v["accept_length"] >= 1 and len(v["curve"]) == 2 for v in got)
+    assert all(v["accept_length_random_positions"] >= 1 for v in got)
     assert got[1]["args"] == "--anchors 8 --examples-share 0.5"
     assert len((out / "held-out.jsonl").read_text().splitlines()) == 4
     assert "| half | `--anchors 8 --examples-share 0.5` |" in (out / "ablation.md").read_text()

@@ -66,7 +66,8 @@ def parse_args(argv=None):
                     help="blocks per sequence and step; on a time budget 64 trained faster than 256 "
                          "(results/smollm2-draft)")
     ap.add_argument("--eval-examples", type=int, default=0,
-                    help="hold this many examples out; their loss and accuracy go to OUT/eval_log.jsonl at each save")
+                    help="hold at least this many examples out, whole prompts; their loss, accuracy and accept "
+                         "length (served and at random positions) go to OUT/eval_log.jsonl at each save")
     ap.add_argument("--eval-file", default="",
                     help="score these examples (examples.jsonl[.xz], never trained on) at each save instead: the "
                          "same held-out set for runs on different training examples (lab/train_ablation.py)")
