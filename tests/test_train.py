@@ -440,8 +440,10 @@ def test_offline_accept_length_walks_the_steps_of_the_reference_loop_on_benchmar
     assert offline.main(["--target", path, "--draft", cfg.out_dir, "--datasets", "gsm8k", "--data-dir", str(data),
                          "--num-prompts", "3", "--max-new-tokens", "12", "--method", "loop", "--output", str(out)]) == 0
     loop = json.loads(out.read_text())["datasets"]["gsm8k"]
-    assert {k: loop[k] for k in ("completion_tokens", "verify_steps", "per_prompt")} == \
-        {k: got[k] for k in ("completion_tokens", "verify_steps", "per_prompt")}
+    same = ("completion_tokens", "verify_steps", "per_prompt", "steps_committing_at_least")
+    assert {k: loop[k] for k in same} == {k: got[k] for k in same}
+    at_least = got["steps_committing_at_least"]
+    assert len(at_least) == 4 and at_least[0] == 1 and at_least == sorted(at_least, reverse=True) and at_least[1] > 0
     with pytest.raises(SystemExit):
         offline.main(["--target", path, "--draft", str(tmp_path / "none")])
 

@@ -26,6 +26,13 @@ from .cli import comma_list, parser
 from .datasets import add_dataset_options, load_dataset_prompts, problem_with_cache, problem_with_names
 
 
+def steps_committing_at_least(committed: list[list[int]], block_size: int) -> list[float]:
+    """Share of verify steps that commit at least k tokens, k = 1..block_size: where the draft's run of
+    matches ends. Each response's last step is left out (the token budget cuts it)."""
+    whole = [n for steps in committed for n in steps[:-1]]
+    return [round(sum(n >= k for n in whole) / max(len(whole), 1), 4) for k in range(1, block_size + 1)]
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, prog="python -m sglang_dflash.bench.offline_accept_length")
     ap.add_argument("--target", required=True, help="target model folder (Hugging Face layout)")
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
               "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "datasets": {}}
     for name in datasets:
         prompts = load_dataset_prompts(name, args.data_dir, args.num_prompts)
-        everywhere = []
+        everywhere, committed = [], []  # committed: each response's tokens per step
         if args.method == "loop":
             steps = []
             for prompt in tqdm(prompts, desc=name):
@@ -77,19 +84,22 @@ def main(argv=None) -> int:
                         target, propose, render(tokenizer, prompt), args.max_new_tokens, draft.cfg.block_size,
                         draft.cfg.mask_token_id, draft.cfg.target_layer_ids, stop_ids=[tokenizer.eos_token_id])
                 steps.append((len(got.tokens), len(got.accept_lengths)))
+                committed.append(got.accept_lengths)
         else:
             examples = regenerate(args.target, prompts, args.max_new_tokens, "hf", hf_model=model, tokenizer=tokenizer)
             walk = TrainConfig(out_dir="", block_size=draft.cfg.block_size, batch_size=4,
                                max_length=max(len(e.ids) for e in examples))
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             everywhere = accept_lengths_everywhere(draft, target, examples, walk, draft.cfg.mask_token_id, pad)
-            steps = [(len(e.ids) - e.response_start, len(served_steps(lengths))) for e, lengths in zip(examples, everywhere)]
+            committed = [served_steps(lengths) for lengths in everywhere]
+            steps = [(len(e.ids) - e.response_start, len(c)) for e, c in zip(examples, committed)]
         tokens, n_steps = sum(t for t, _ in steps), sum(n for _, n in steps)
         report["datasets"][name] = {
             "accept_length": tokens / n_steps if n_steps else float("nan"),
             "completion_tokens": tokens,
             "verify_steps": n_steps,
             "per_prompt": [round(t / max(n, 1), 3) for t, n in steps],
+            "steps_committing_at_least": steps_committing_at_least(committed, draft.cfg.block_size),
         }
         if everywhere:  # what a mean over random positions would report: above the served figure
             flat = [n for lengths in everywhere for n in lengths]
