@@ -11,8 +11,8 @@ from sglang_dflash.config import TargetInfo, load_and_validate
 from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
-from sglang_dflash.train.batch import FrozenTarget, block_accept_lengths, block_batch, lm_loss
-from sglang_dflash.train.held_out import served_accept_lengths, served_steps, split_eval
+from sglang_dflash.train.batch import FrozenTarget, batch_loss, block_accept_lengths, block_batch, lm_loss
+from sglang_dflash.train.held_out import evaluate, served_accept_lengths, served_steps, split_eval
 from sglang_dflash.train.trainer import TrainConfig, load_trained_draft, lr_at, run_progress, train
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
@@ -218,6 +218,18 @@ def test_the_served_accept_length_counts_the_steps_of_the_reference_loop(tiny_ta
                                   draft.cfg.mask_token_id, tok.pad_token_id or 0)
     assert [s[:-1] for s in steps] == [s[:-1] for s in loops]
     assert [len(s) for s in steps] == [len(s) for s in loops]
+    # The trainer's held-out scoring shares one target forward between both figures: each equals
+    # the figure computed on its own.
+    eval_cfg = TrainConfig(**{**cfg.__dict__, "anchors": 3, "batch_size": 3})
+    mask, pad = draft.cfg.mask_token_id, tok.pad_token_id or 0
+    scores = evaluate(draft, target, walked, eval_cfg, mask, pad)
+    assert scores["eval_served_accept_len"] == pytest.approx(
+        sum(sum(s) + 1 for s in steps) / sum(len(s) for s in steps))
+    gen = torch.Generator().manual_seed(eval_cfg.seed)
+    alone = [batch_loss(draft, target, walked[i:i + 3], eval_cfg, mask, pad, gen, accept_lengths=True)
+             for i in range(0, len(walked), 3)]
+    assert scores["eval_accept_len"] == pytest.approx(float(torch.cat([a[2].float() for a in alone]).mean()))
+    assert scores["eval_loss"] == pytest.approx(sum(float(a[0]) for a in alone) / len(alone))
     lengths = [n for s in loops for n in s[:-1]]
     assert 1 in lengths and max(lengths) == 4  # the draft misses and lands: the walk is tested on both
 

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     from ..reference import draft_proposer, speculative_generate
     from ..train.batch import FrozenTarget
-    from ..train.data import regenerate, render
+    from ..train.data import pad_id, regenerate, render
     from ..train.held_out import accept_lengths_everywhere, served_steps
     from ..train.trainer import TrainConfig, load_trained_draft
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             examples = regenerate(args.target, prompts, args.max_new_tokens, "hf", hf_model=model, tokenizer=tokenizer)
             walk = TrainConfig(out_dir="", block_size=draft.cfg.block_size, batch_size=4,
                                max_length=max(len(e.ids) for e in examples))
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            pad = pad_id(tokenizer)
             everywhere = accept_lengths_everywhere(draft, target, examples, walk, draft.cfg.mask_token_id, pad)
             committed = [served_steps(lengths) for lengths in everywhere]
             steps = [(len(e.ids) - e.response_start, len(c)) for e, c in zip(examples, committed)]

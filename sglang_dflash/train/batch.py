@@ -150,10 +150,11 @@ def block_hits(draft: ReferenceDraft, target: FrozenTarget, ids, feats, greedy, 
 
 
 def loss_and_accuracy(draft: ReferenceDraft, target: FrozenTarget, ids, attn, loss_mask, anchors, cfg: TrainConfig,
-                      mask_token_id: int, accept_lengths: bool = False):
+                      mask_token_id: int, accept_lengths: bool = False, features: Optional[tuple] = None):
+    """``features``: the target's ``(feats, greedy)`` for ``ids`` when the caller has them already."""
     device = target.embed.device
     ids, attn, loss_mask, anchors = (t.to(device) for t in (ids, attn, loss_mask, anchors))
-    feats, greedy = target.features(ids, attn)
+    feats, greedy = features if features is not None else target.features(ids, attn)
     loss, hits, keep = block_hits(draft, target, ids, feats, greedy, loss_mask, anchors, cfg, mask_token_id)
     acc = hits.float().mean() if hits.numel() else loss.new_zeros(())
     # Only the held-out evaluation asks for accept lengths: the training step skips the extra work.

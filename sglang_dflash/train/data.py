@@ -43,6 +43,13 @@ class Example:
     response_start: int  # loss is taken on response tokens only
 
 
+def pad_id(tokenizer) -> int:
+    """The id collated rows are padded with: the tokenizer's pad token, else its eos, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id or 0
+
+
 def render(tokenizer, prompt: Prompt) -> list[int]:
     msgs = chat_messages(prompt)
     if getattr(tokenizer, "chat_template", None):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .batch import batch_loss, block_accept_lengths, block_hits, collate
+from .batch import block_accept_lengths, block_hits, collate, loss_and_accuracy, sample_anchors
 from .data import Example
 
 if TYPE_CHECKING:
@@ -70,35 +70,42 @@ def served_steps(lengths: Sequence[int]) -> list[int]:
     return steps
 
 
+def _accept_rows(draft, target, part: Sequence[Example], ids, attn, loss_mask, feats, greedy, cfg: TrainConfig,
+                 mask_id: int) -> list[list[int]]:
+    """One collated batch's accept lengths at each response token but the last, from the target's
+    features already computed: ``cfg.anchors`` blocks a row per draft pass."""
+    device = ids.device
+    ends = attn.sum(1).tolist()
+    starts = [min(e.response_start, end) for e, end in zip(part, ends)]
+    accept_at = torch.zeros(ids.shape, dtype=torch.long, device=device)
+    longest = max(end - 1 - start for start, end in zip(starts, ends))
+    for first in range(0, max(longest, 0), cfg.anchors):
+        anchors = torch.full((len(part), cfg.anchors), -1, dtype=torch.long, device=device)
+        for b, (start, end) in enumerate(zip(starts, ends)):
+            lo = start + first  # past a shorter response's end, the row stays empty
+            row = torch.arange(lo, max(lo, min(lo + cfg.anchors, end - 1)), device=device)
+            anchors[b, :row.numel()] = row
+        _, hits, keep = block_hits(draft, target, ids, feats, greedy, loss_mask, anchors, cfg, mask_id)
+        # An unused slot (-1) adds its length 0 at position 0, which is never a response position.
+        lengths = block_accept_lengths(hits, keep, anchors >= 0, cfg.block_size)
+        accept_at.scatter_add_(1, anchors.clamp(min=0), lengths)
+    rows = accept_at.tolist()
+    return [row[start:end - 1] for row, start, end in zip(rows, starts, ends)]
+
+
 @torch.no_grad()
 def accept_lengths_everywhere(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int,
                               pad: int) -> list[list[int]]:
     """For each example, the accept length of a block anchored at each response token but the last
-    (``served_steps``'s input): ``cfg.anchors`` blocks a row per draft pass, the target's features
-    computed once a batch."""
+    (``served_steps``'s input), the target's features computed once a batch."""
     device = target.embed.device
     out = []
     for i in range(0, len(examples), cfg.batch_size):
         part = examples[i:i + cfg.batch_size]
         ids, attn, loss_mask = (t.to(device) for t in collate(part, cfg.max_length, pad))
-        ends = attn.sum(1).tolist()
-        starts = [min(e.response_start, end) for e, end in zip(part, ends)]
-        accept_at = torch.zeros(ids.shape, dtype=torch.long, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             feats, greedy = target.features(ids, attn)
-            longest = max(end - 1 - start for start, end in zip(starts, ends))
-            for first in range(0, max(longest, 0), cfg.anchors):
-                anchors = torch.full((len(part), cfg.anchors), -1, dtype=torch.long, device=device)
-                for b, (start, end) in enumerate(zip(starts, ends)):
-                    lo = start + first  # past a shorter response's end, the row stays empty
-                    row = torch.arange(lo, max(lo, min(lo + cfg.anchors, end - 1)), device=device)
-                    anchors[b, :row.numel()] = row
-                _, hits, keep = block_hits(draft, target, ids, feats, greedy, loss_mask, anchors, cfg, mask_id)
-                # An unused slot (-1) adds its length 0 at position 0, which is never a response position.
-                lengths = block_accept_lengths(hits, keep, anchors >= 0, cfg.block_size)
-                accept_at.scatter_add_(1, anchors.clamp(min=0), lengths)
-        rows = accept_at.tolist()
-        out += [row[start:end - 1] for row, start, end in zip(rows, starts, ends)]
+            out += _accept_rows(draft, target, part, ids, attn, loss_mask, feats, greedy, cfg, mask_id)
     return out
 
 
@@ -111,16 +118,25 @@ def served_accept_lengths(draft, target, examples: Sequence[Example], cfg: Train
 @torch.no_grad()
 def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int) -> dict:
     """Loss, accuracy and the mean block accept length at random response positions (anchors fixed by
-    the seed: comparable across saves), and the accept length greedy serving would count."""
+    the seed: comparable across saves), and the accept length greedy serving would count. One target
+    forward a batch serves both."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    loss_sum, acc_sum, batches, accepted = 0.0, 0.0, 0, []
+    device = target.embed.device
+    loss_sum, acc_sum, batches, accepted, steps = 0.0, 0.0, 0, [], []
     for i in range(0, len(examples), cfg.batch_size):
-        loss, acc, accept = batch_loss(draft, target, examples[i:i + cfg.batch_size], cfg, mask_id, pad, gen,
-                                       accept_lengths=True)
+        part = examples[i:i + cfg.batch_size]
+        ids, attn, loss_mask = collate(part, cfg.max_length, pad)
+        anchors = sample_anchors(loss_mask, cfg.anchors, gen)
+        ids, attn, loss_mask = ids.to(device), attn.to(device), loss_mask.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            features = target.features(ids, attn)
+            loss, acc, accept = loss_and_accuracy(draft, target, ids, attn, loss_mask, anchors, cfg, mask_id,
+                                                  accept_lengths=True, features=features)
+            rows = _accept_rows(draft, target, part, ids, attn, loss_mask, *features, cfg, mask_id)
         loss_sum, acc_sum, batches = loss_sum + float(loss), acc_sum + float(acc), batches + 1
         accepted.append(accept.float())
+        steps += [served_steps(lengths) for lengths in rows]
     accepted = torch.cat(accepted)
-    steps = served_accept_lengths(draft, target, examples, cfg, mask_id, pad)
     n_steps = sum(len(s) for s in steps)
     tokens = sum(sum(s) + 1 for s in steps)  # the prefill's token is a completion token, not a step
     return {"eval_loss": loss_sum / batches, "eval_acc": acc_sum / batches,

@@ -30,7 +30,7 @@ from ..config import DFlashDraftConfig, default_target_layer_ids
 from ..reference import ReferenceDraft
 from .atomic import write_atomically, write_text_atomically
 from .batch import FrozenTarget, batch_loss
-from .data import Example
+from .data import Example, pad_id
 from .held_out import evaluate, split_eval
 from .progress import progress_bar
 
@@ -218,7 +218,7 @@ def train(target_model, tokenizer, examples: Sequence[Example], cfg: TrainConfig
         for name in ("train_log.jsonl", "eval_log.jsonl"):
             keep_log_rows_up_to(os.path.join(cfg.out_dir, name), start)
         log(f"resumed from step {start}")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id(tokenizer)
     history = []
     if cfg.steps == 0:  # the untrained baseline: initialised weights in the same layout
         save_checkpoint(draft, config, cfg.out_dir)
