@@ -443,6 +443,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         width, request_widths = self.choose_widths(batch, bs)
         self.draft_head.maybe_rebuild()
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
+        # Read before the verify, whose prepare_for_verify puts its own input in batch.spec_info
+        # (the draft input's host lengths with it): after it, no host lengths, so every commit scattered.
+        near_track = self.hybrid and self.may_reach_track(batch)
         self.stalls.add_phase("set-up", time.perf_counter() - started)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
@@ -474,7 +477,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if self.hybrid and self.decodes_at(width):
             self.track_decoded_state(batch)
         elif self.hybrid:
-            self.commit_recurrent_state(batch, accepted, width)
+            self.commit_recurrent_state(batch, accepted, width, near_track)
         wrap_up = time.perf_counter()
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
@@ -840,16 +843,17 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             apply_custom_logit_processor(flat, info, num_tokens_in_batch=logits.shape[1])
 
     @host_phase("state")
-    def commit_recurrent_state(self, batch, accepted: Accepted, width: int) -> None:
+    def commit_recurrent_state(self, batch, accepted: Accepted, width: int, near_track: bool = True) -> None:
         """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
         committed step's, and copy a crossed track boundary's into the radix cache's track slot.
         Through the backend of the width that ran the verify: the state slots are read from its
         metadata, and another width's backend still holds those of the last batch it ran.
-        Where no request can reach a track boundary (:meth:`may_reach_track`: a commit ends within
-        two blocks of the host's length, as a DECODE does), neither the steps to track nor their
-        scatter run: most steps at low concurrency, a boundary coming every 256 tokens by default."""
+        Where no request can reach a track boundary (``near_track`` False: :meth:`may_reach_track`
+        read before the verify; a commit ends within two blocks of the host's length, as a DECODE
+        does), neither the steps to track nor their scatter run: most steps at low concurrency, a
+        boundary coming every 256 tokens by default."""
         track, steps_to_track = batch.mamba_track_indices, None
-        if track is not None and not self.may_reach_track(batch):
+        if track is not None and not near_track:
             track = None
             self.verify_track["skipped"] += 1
         elif track is not None:

@@ -1004,6 +1004,7 @@ def whole_step_worker(monkeypatch, runner: str, decodes: bool):
             self.draft_token, self.positions = draft_token, positions
 
         def prepare_for_verify(self, batch, target_worker):
+            batch.spec_info = self  # as SGLang's does: the draft input (and its host lengths) leave the batch
             return SimpleNamespace(input_ids=self.draft_token, positions=self.positions, verify_planned=True), None
 
     monkeypatch.setattr(worker_mod.torch.cuda, "current_stream", lambda: None)
@@ -1075,7 +1076,7 @@ def test_a_hybrid_width_one_decode_commits_nothing_and_tracks_the_live_state_at_
     worker.release = SimpleNamespace(
         has=lambda change: True, mamba_track_interval=lambda b: 10,
         track_decoded_state=lambda on, mask, track: seen.append(("track", on, mask.tolist(), track.tolist())))
-    worker.commit_recurrent_state = lambda b, accepted, width: seen.append(("commit", width))
+    worker.commit_recurrent_state = lambda b, accepted, width, near_track=True: seen.append(("commit", width))
     batch.mamba_track_mask = torch.tensor([True, True])  # left by the prefill
     batch.mamba_track_indices = torch.tensor([3, 4])
     result = DFlashWorker.forward_batch_generation(worker, batch)
@@ -1373,12 +1374,35 @@ def test_a_verify_commit_far_from_every_track_boundary_scatters_no_track_slot(ca
     commit_len = torch.tensor([3, 8])
     accepted = Accepted(accept_len=commit_len - 1, commit_len=commit_len, bonus=None, out_tokens=None,
                         new_seq_lens=batch.seq_lens + commit_len)
-    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8)
+    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8, DFlashWorker.may_reach_track(worker, batch))
     (_, last_steps, tracked), = backend.commits
     assert last_steps == [2, 7]
     far = case.startswith("far")
     assert tracked == (None if far else mamba_track_steps(batch.seq_lens, commit_len, interval).tolist())
     assert worker.verify_track == {"skipped" if far else "scattered": 1}
+
+
+@pytest.mark.parametrize("interval", [64, 16])
+def test_a_hybrid_verify_step_reads_the_track_reach_before_the_verify_takes_the_batchs_spec_input(monkeypatch, interval):
+    """Whole step, hybrid, a verify (not a DECODE), host lengths only on the draft input (the
+    overlap schedule's case on the H200 rigs). SGLang's prepare_for_verify puts the verify input
+    in ``batch.spec_info``: read after it, the reach found no host lengths and every commit
+    scattered (2026-12-05, 0 of 1,311 c1 steps skipped). Lengths 5 and 9, block 8: interval 64 is
+    out of reach, 16 within it."""
+    from sglang_dflash.compat import SGLangRelease
+    from sglang_dflash.worker import DFlashWorker
+
+    worker, batch, _, _, _ = whole_step_worker(monkeypatch, "graph", False)
+    seen = []
+    worker.hybrid = True
+    worker.release = SimpleNamespace(has=lambda change: True, mamba_track_interval=lambda b: interval,
+                                     reserved_seq_lens_cpu=lambda spec: None,
+                                     committed_lens_cpu=SGLangRelease("0.5.23").committed_lens_cpu)
+    worker.commit_recurrent_state = lambda b, accepted, width, near_track=True: seen.append(near_track)
+    batch.mamba_lazy_spec_track_positions_cpu = None
+    batch.seq_lens_cpu, batch.spec_info._prepare_batch_seq_lens_cpu_buf = None, torch.tensor([5, 9])
+    DFlashWorker.forward_batch_generation(worker, batch)
+    assert seen == [interval == 16]
 
 
 def test_the_schedulers_time_is_summed_by_mode_apart_from_the_pauses_between_reads(monkeypatch):
