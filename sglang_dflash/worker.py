@@ -445,7 +445,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         bufs = self.buffers.take(bs, batch.seq_lens.dtype, width)
         # Read before the verify, whose prepare_for_verify puts its own input in batch.spec_info
         # (the draft input's host lengths with it): after it, no host lengths, so every commit scattered.
-        near_track = self.hybrid and self.may_reach_track(batch)
+        committed_cpu = self.host_committed_lens(batch) if self.hybrid else None
         self.stalls.add_phase("set-up", time.perf_counter() - started)
         block = self.draft_step(batch, bufs, width)
         grammar_tree = GrammarTree.from_linear_chain(block.candidates) if batch.has_grammar else None
@@ -477,7 +477,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if self.hybrid and self.decodes_at(width):
             self.track_decoded_state(batch)
         elif self.hybrid:
-            self.commit_recurrent_state(batch, accepted, width, near_track)
+            self.commit_recurrent_state(batch, accepted, width, committed_cpu)
         wrap_up = time.perf_counter()
         if on_publish is not None:
             on_publish(accepted.new_seq_lens)
@@ -760,7 +760,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         so that :meth:`track_decoded_state` launches nothing: on most steps neither the slots'
         rebuild nor the copy runs, a width-1 step being host-bound. Either way the extend-time
         track fields are cleared."""
-        if self.may_reach_track(batch):
+        if self.may_reach_track(batch, self.host_committed_lens(batch)):
             prepare_mamba_track_for_verify(batch)
             self.decode_track["prepared"] += 1
         else:
@@ -769,17 +769,20 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             batch.mamba_track_seqlens = batch.mamba_prefill_track_mask_cpu = batch.mamba_track_seqlens_cpu = None
         batch.mamba_track_mask = None
 
-    def may_reach_track(self, batch) -> bool:
-        """Whether this step may bring some request to a track boundary (:func:`decode_may_reach_track`),
-        read from the host lengths: the batch's, or where the overlap schedule dropped them those the
-        draft input reserved from. A lazy track plan, or no host lengths at all: yes."""
-        if getattr(batch, "mamba_lazy_spec_track_positions_cpu", None) is not None:
+    def host_committed_lens(self, batch) -> Optional[torch.Tensor]:
+        """The committed lengths on the host: the batch's, or where the overlap schedule dropped them
+        those the draft input reserved from (read before a verify replaces it); None if neither."""
+        if batch.seq_lens_cpu is not None:
+            return batch.seq_lens_cpu
+        return self.release.committed_lens_cpu(batch.spec_info, len(batch.seq_lens))
+
+    def may_reach_track(self, batch, committed_cpu: Optional[torch.Tensor]) -> bool:
+        """Whether this step may bring some request to a track boundary (:func:`decode_may_reach_track`)
+        from the host lengths ``committed_cpu`` (:meth:`host_committed_lens`). A lazy track plan, or no
+        host lengths: yes."""
+        if getattr(batch, "mamba_lazy_spec_track_positions_cpu", None) is not None or committed_cpu is None:
             return True
-        committed = batch.seq_lens_cpu
-        if committed is None:
-            committed = self.release.committed_lens_cpu(batch.spec_info, len(batch.seq_lens))
-        return committed is None or decode_may_reach_track(committed, self.release.mamba_track_interval(batch),
-                                                           self.block_size)
+        return decode_may_reach_track(committed_cpu, self.release.mamba_track_interval(batch), self.block_size)
 
     def graphs_wrote_context(self, runner, ran_graph: bool) -> bool:
         """Whether the target forward that just ran wrote the draft context (:class:`ContextInVerifyGraph`)."""
@@ -843,17 +846,18 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             apply_custom_logit_processor(flat, info, num_tokens_in_batch=logits.shape[1])
 
     @host_phase("state")
-    def commit_recurrent_state(self, batch, accepted: Accepted, width: int, near_track: bool = True) -> None:
+    def commit_recurrent_state(self, batch, accepted: Accepted, width: int,
+                               committed_cpu: Optional[torch.Tensor] = None) -> None:
         """Hybrid targets: the verify kept each step's linear-attention state aside; keep the last
         committed step's, and copy a crossed track boundary's into the radix cache's track slot.
         Through the backend of the width that ran the verify: the state slots are read from its
         metadata, and another width's backend still holds those of the last batch it ran.
-        Where no request can reach a track boundary (``near_track`` False: :meth:`may_reach_track`
-        read before the verify; a commit ends within two blocks of the host's length, as a DECODE
-        does), neither the steps to track nor their scatter run: most steps at low concurrency, a
-        boundary coming every 256 tokens by default."""
+        Where no request can reach a track boundary (:meth:`may_reach_track` from ``committed_cpu``,
+        the host lengths read before the verify; a commit ends within two blocks of them, as a
+        DECODE does), neither the steps to track nor their scatter run: most steps at low
+        concurrency, a boundary coming every 256 tokens by default. No lengths: the scatter runs."""
         track, steps_to_track = batch.mamba_track_indices, None
-        if track is not None and not near_track:
+        if track is not None and not self.may_reach_track(batch, committed_cpu):
             track = None
             self.verify_track["skipped"] += 1
         elif track is not None:

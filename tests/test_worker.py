@@ -1076,7 +1076,7 @@ def test_a_hybrid_width_one_decode_commits_nothing_and_tracks_the_live_state_at_
     worker.release = SimpleNamespace(
         has=lambda change: True, mamba_track_interval=lambda b: 10,
         track_decoded_state=lambda on, mask, track: seen.append(("track", on, mask.tolist(), track.tolist())))
-    worker.commit_recurrent_state = lambda b, accepted, width, near_track=True: seen.append(("commit", width))
+    worker.commit_recurrent_state = lambda b, accepted, width, committed_cpu=None: seen.append(("commit", width))
     batch.mamba_track_mask = torch.tensor([True, True])  # left by the prefill
     batch.mamba_track_indices = torch.tensor([3, 4])
     result = DFlashWorker.forward_batch_generation(worker, batch)
@@ -1374,7 +1374,7 @@ def test_a_verify_commit_far_from_every_track_boundary_scatters_no_track_slot(ca
     commit_len = torch.tensor([3, 8])
     accepted = Accepted(accept_len=commit_len - 1, commit_len=commit_len, bonus=None, out_tokens=None,
                         new_seq_lens=batch.seq_lens + commit_len)
-    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8, DFlashWorker.may_reach_track(worker, batch))
+    DFlashWorker.commit_recurrent_state(worker, batch, accepted, 8, DFlashWorker.host_committed_lens(worker, batch))
     (_, last_steps, tracked), = backend.commits
     assert last_steps == [2, 7]
     far = case.startswith("far")
@@ -1398,7 +1398,8 @@ def test_a_hybrid_verify_step_reads_the_track_reach_before_the_verify_takes_the_
     worker.release = SimpleNamespace(has=lambda change: True, mamba_track_interval=lambda b: interval,
                                      reserved_seq_lens_cpu=lambda spec: None,
                                      committed_lens_cpu=SGLangRelease("0.5.23").committed_lens_cpu)
-    worker.commit_recurrent_state = lambda b, accepted, width, near_track=True: seen.append(near_track)
+    worker.commit_recurrent_state = lambda b, accepted, width, committed_cpu=None: seen.append(
+        DFlashWorker.may_reach_track(worker, b, committed_cpu))
     batch.mamba_lazy_spec_track_positions_cpu = None
     batch.seq_lens_cpu, batch.spec_info._prepare_batch_seq_lens_cpu_buf = None, torch.tensor([5, 9])
     DFlashWorker.forward_batch_generation(worker, batch)
