@@ -495,7 +495,9 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
 def write_results(args, rows: list[dict], failures: list[dict]) -> dict:
     settings = {k: v for k, v in vars(args).items() if k not in ("skip_launch", "from_results")}
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump({"settings": settings, "rows": rows, "server_failures": failures}, f, indent=1, default=str)
+        # Unindented: every wave's figures make it hundreds of KB; report.md is the file to read.
+        json.dump({"settings": settings, "rows": rows, "server_failures": failures}, f, separators=(",", ":"),
+                  default=str)
     return settings
 
 
