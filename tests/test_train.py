@@ -12,7 +12,7 @@ from sglang_dflash.reference import speculative_generate, target_generate
 from sglang_dflash.train import __main__ as cli
 from sglang_dflash.train.data import HELD_OUT, regenerate, render, training_prompts
 from sglang_dflash.train.batch import FrozenTarget, batch_loss, block_accept_lengths, block_batch, lm_loss
-from sglang_dflash.train.held_out import evaluate, served_accept_lengths, served_steps, split_eval
+from sglang_dflash.train.held_out import accept_lengths_everywhere, evaluate, served_steps, split_eval
 from sglang_dflash.train.trainer import TrainConfig, load_trained_draft, lr_at, run_progress, train
 
 PROMPTS = [f"count {i} {'ab' * (i % 3)} go" for i in range(24)]
@@ -214,8 +214,9 @@ def test_the_served_accept_length_counts_the_steps_of_the_reference_loop(tiny_ta
         loops.append(got.accept_lengths)
         walked.append(Example(ids + got.tokens, len(ids)))
     # Three anchors a pass: the walk's blocks come from several passes per row.
-    steps = served_accept_lengths(draft, target, walked, TrainConfig(**{**cfg.__dict__, "anchors": 3}),
-                                  draft.cfg.mask_token_id, tok.pad_token_id or 0)
+    steps = [served_steps(lengths) for lengths in accept_lengths_everywhere(
+        draft, target, walked, TrainConfig(**{**cfg.__dict__, "anchors": 3}), draft.cfg.mask_token_id,
+        tok.pad_token_id or 0)]
     assert [s[:-1] for s in steps] == [s[:-1] for s in loops]
     assert [len(s) for s in steps] == [len(s) for s in loops]
     # The trainer's held-out scoring shares one target forward between both figures: each equals

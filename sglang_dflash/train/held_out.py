@@ -109,12 +109,6 @@ def accept_lengths_everywhere(draft, target, examples: Sequence[Example], cfg: T
     return out
 
 
-def served_accept_lengths(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int,
-                          pad: int) -> list[list[int]]:
-    """Each example's verify steps under greedy serving (``served_steps``)."""
-    return [served_steps(lengths) for lengths in accept_lengths_everywhere(draft, target, examples, cfg, mask_id, pad)]
-
-
 @torch.no_grad()
 def evaluate(draft, target, examples: Sequence[Example], cfg: TrainConfig, mask_id: int, pad: int) -> dict:
     """Loss, accuracy and the mean block accept length at random response positions (anchors fixed by
