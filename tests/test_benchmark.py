@@ -366,6 +366,8 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
             f"call 60.0 ms, gap 1.0 ms)"
         assert (named in out) == (n // 3 > (n - 1) // 3)
     assert any(n // 3 > (n - 1) // 3 for n in gcs)
+    # The ring of recent stalled calls, repeated by every read, is kept from the level's last wave only.
+    assert ["recent" in p for p in rows["plugin"]["wave_host_pauses"]] == [False, False, True]
     assert "wave_host_pauses" not in rows["ar"]  # only the plugin reports them
     # Host time per decode step, wave by wave from the running totals (the fake: 2 ms in the call,
     # 1 ms before it, 50 us of it the width policy's, and of the call 1.2 ms verifying, 0.3 accepting);

@@ -297,6 +297,16 @@ def host_pauses(url: str) -> Optional[dict]:
     return {**dflash["host_pauses"], **graphs}
 
 
+def last_stalls_once(waves: list) -> list:
+    """A level's per-wave pause reads, the ledger's ``recent`` ring (its last stalled calls, up to 32)
+    kept from the last read only: every read repeats most of it, and only ``name_stalls`` reads it,
+    live."""
+    kept = [{k: v for k, v in w.items() if k != "recent"} if w else w for w in waves]
+    if kept and waves[-1] and "recent" in waves[-1]:
+        kept[-1]["recent"] = waves[-1]["recent"]
+    return kept
+
+
 def name_stalls(label: str, where: str, before: Optional[dict], now: Optional[dict]) -> None:
     """Print the worker calls that stalled during a wave (the plugin's counts grew), as the sweep
     names a wave's compiles."""
@@ -479,7 +489,7 @@ def measure_interleaved(servers: list, datasets: dict, args, on_level=None,
                 # share is the step from the last).
                 row["wave_ttft_p99_ms"] = [w["ttft_p99_ms"] for w in per_wave]
                 if any(pauses[server.spec.label]):
-                    row["wave_host_pauses"] = pauses[server.spec.label]
+                    row["wave_host_pauses"] = last_stalls_once(pauses[server.spec.label])
                 if any(n for n, _ in compiles[server.spec.label]):
                     row["wave_serving_compiles"] = compiles[server.spec.label]
                 if rotate:
