@@ -35,6 +35,14 @@ if [ -f "$_kfa/fa3.sha256" ] && [ ! -f "$_ksite/sgl_kernel/flash_ops.abi3.so" ];
         echo "gpu-env: FA3 incomplete; stashed: $(cd "$_kfa" && ls | tr '\n' ' ')" >&2
     fi
 fi
+# Triton's kernels in one known place, so lab/compile-cache.sh can hand them to the next machine;
+# a carried .compile-cache/ is unpacked there once a machine.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+if [ -f "$_kroot/.compile-cache/compile-cache.tar.xz" ] && [ ! -f "$TRITON_CACHE_DIR/.from-carry" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && xz -dc "$_kroot/.compile-cache/compile-cache.tar.xz" | tar -x -C "$TRITON_CACHE_DIR" &&
+        touch "$TRITON_CACHE_DIR/.from-carry" &&
+        echo "gpu-env: $(find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 -type d | wc -l) Triton kernels unpacked from .compile-cache"
+fi
 # kit-shim/sitecustomize.py stands in for a cutlass-only SGLang module; see its docstring.
 export PYTHONPATH=$_kroot/lab/kit-shim:$_ksite${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

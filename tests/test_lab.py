@@ -368,3 +368,37 @@ def test_wave_tails_sets_the_slowest_requests_steps_beside_the_ratio(tmp_path, c
     monkeypatch.setattr(sys, "argv", ["wave_tails", str(path)])
     wave_tails.main()
     assert "| mix | 2 | 1 | 1.500 | 2.55 | 3.40 | 1.70 | 3.40 |" in capsys.readouterr().out
+
+
+def test_the_compile_cache_comes_back_in_one_file_beside_the_runs_logs_and_unpacks_on_the_next_machine(tmp_path):
+    cache, out = tmp_path / "triton", tmp_path / "out"
+    for kernel in ("AAA", "BBB"):
+        (cache / kernel).mkdir(parents=True)
+        (cache / kernel / "k.cubin").write_bytes(os.urandom(256))
+    (out / "run").mkdir(parents=True)
+    for name in ("server-a.log", "server-b.log", "results.json"):
+        (out / "run" / name).write_text(name)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    save = subprocess.run(["bash", os.path.join(ROOT, "lab", "compile-cache.sh"), "save", str(out)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert save.returncode == 0 and "2 kernels" in save.stdout, save.stdout + save.stderr
+    # The logs share one archive so that the run's files and the cache fit the 8 files that come back.
+    assert sorted(p.name for p in (out / "run").iterdir()) == ["results.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["compile-cache.tar.xz", "run", "server-logs.tgz"]
+    # The next machine: a checkout carrying .compile-cache/ gets the kernels where Triton looks.
+    checkout = tmp_path / "checkout"
+    (checkout / ".compile-cache").mkdir(parents=True)
+    os.replace(out / "compile-cache.tar.xz", checkout / ".compile-cache" / "compile-cache.tar.xz")
+    with open(os.path.join(ROOT, "lab", "gpu-env.sh")) as f:
+        text = f.read()
+    restore = text[text.index("export TRITON_CACHE_DIR"):text.index("# kit-shim/")]
+    fresh = tmp_path / "fresh"
+    run = subprocess.run(["bash", "-c", f"_kroot={checkout}\n{restore}"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "TRITON_CACHE_DIR": str(fresh)})
+    assert "2 Triton kernels unpacked" in run.stdout, run.stdout + run.stderr
+    assert (fresh / "AAA" / "k.cubin").read_bytes() == (cache / "AAA" / "k.cubin").read_bytes()
+    # An empty cache saves nothing and says so.
+    empty = subprocess.run(["bash", os.path.join(ROOT, "lab", "compile-cache.sh"), "save", str(out)],
+                           env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "none")},
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 0 and "nothing saved" in empty.stdout
