@@ -402,3 +402,42 @@ def test_the_compile_cache_comes_back_in_one_file_beside_the_runs_logs_and_unpac
                            env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "none")},
                            capture_output=True, text=True, timeout=60)
     assert empty.returncode == 0 and "nothing saved" in empty.stdout
+
+
+def test_the_heldout_report_pools_each_set_and_level_and_names_every_missed_goal(tmp_path):
+    def rows(scale):  # three servers taking turns at two levels of two sets; a second run scales them
+        out = []
+        for dataset, over_ar in (("heldout-writing", {1: 1.30, 64: 0.90}), ("heldout-code", {1: 1.50, 64: 1.10})):
+            for conc, ratio in over_ar.items():
+                ar = [scale * (100.0 + k % 3) for k in range(12)]
+                for label, waves in (("ar", ar), ("adaptive", [ratio * x for x in ar]),
+                                     ("builtin", [ratio * x / 1.02 for x in ar])):
+                    out.append({"label": label, "dataset": dataset, "concurrency": conc, "wave_tok_s": waves,
+                                "output_tokens": 3000, "spec_verify_ct": 1000 if label != "ar" else 0})
+        return out
+
+    paths = []
+    for k, scale in enumerate((1.0, 2.0)):
+        (tmp_path / f"run{k}").mkdir()
+        paths.append(tmp_path / f"run{k}" / "results.json")
+        paths[-1].write_text(json.dumps({"rows": rows(scale)}))
+    out = tmp_path / "report"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "lab", "heldout_report.py"), str(out), *map(str, paths),
+                          "--setup", "SmolLM2, 0.5.23, H200, fa3"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert run.returncode == 1, run.stderr  # writing at c64 sits under plain decoding
+    assert "goals missed at heldout-writing c64" in run.stderr and "heldout-code" not in run.stderr
+    report = json.loads((out / "heldout.json").read_text())
+    assert report["levels"] == ["c1", "c64"]
+    writing = report["default_over_ar"]["heldout-writing"]
+    assert writing["c1"]["geomean"] == pytest.approx(1.30, abs=1e-3) and writing["c1"]["waves"] == 24  # both runs
+    assert report["default_over_builtin"]["heldout-code"]["c64"]["geomean"] == pytest.approx(1.02, abs=1e-3)
+    assert report["goals"]["heldout-writing"]["c64"] == {"over_ar": False, "over_builtin": True}
+    assert report["accept_length"]["heldout-code"]["c1"] == 3.0
+    assert "| c64 | 0.900 (0.900-0.900), 24 waves | **no** |" in (out / "heldout.md").read_text()
+    assert (out / "heldout.png").stat().st_size > 1000
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    refused = subprocess.run([sys.executable, os.path.join(ROOT, "lab", "heldout_report.py"), str(out), str(bad)],
+                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
