@@ -26,7 +26,7 @@ from sglang.srt.runtime_context import get_parallel
 from .config import (DRAFT_RING_ENV, RAGGED_ENV, DFlashConfigError, DFlashDraftConfig, draft_ring, ragged_verify,
                      read_draft_config)
 from .draft import DraftBlock, DraftRing, DraftWindow, draft_kv_bytes_per_token, ring_budget, ring_tokens
-from .host_pauses import host_phase
+from .host_pauses import admission_phase, host_phase
 from .sampling import to_device_async
 
 logger = logging.getLogger("sglang_dflash")
@@ -191,6 +191,7 @@ class DraftContext:
                 report["budget"] = dict(RING_BUDGET)
         return report
 
+    @admission_phase("draft context")
     def write_prefill_context(self, batch, hidden) -> None:
         """Draft K/V for a prefill's new tokens, at their target slots or in the ring."""
         positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)

@@ -104,6 +104,7 @@ class StepStalls:
         self.decode_calls, self.decode_call_s, self.decode_gap_s = 0, 0.0, 0.0  # since start, gap known
         self.policy_s = 0.0  # since start: the width policy's own calls (the worker adds them, :func:`policy_time`)
         self.phase_s: dict[str, float] = {}  # since start: each named step of a decode call (:func:`host_phase`)
+        self.admission_s: dict[str, float] = {}  # since start: each named part of an admission (:func:`admission_phase`)
         self.by_mode: dict[str, list] = {}  # mode -> [calls, tokens, call s, gap s] since start
         self.by_transition: dict[str, list] = {}  # "previous>this" mode -> [calls, call s, gap s] since start
         self._start: Optional[float] = None
@@ -145,6 +146,9 @@ class StepStalls:
     def add_phase(self, name: str, seconds: float) -> None:
         self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
 
+    def add_admission_phase(self, name: str, seconds: float) -> None:
+        self.admission_s[name] = self.admission_s.get(name, 0.0) + seconds
+
     def report(self) -> dict:
         self._last_end = None
         by_width = {f"{w}@{b}": {"call": round(statistics.median(c for c, _ in kept) * 1e3, 3),
@@ -157,6 +161,8 @@ class StepStalls:
                 "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
                                 "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3),
                                 "phases_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.phase_s.items())}},
+                # The admissions' parts (their count: by_mode's extend calls), for what a draft costs outside the step.
+                "admission_host": {"phases_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.admission_s.items())}},
                 "by_mode": {mode: {"calls": n, "tokens": tokens, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
                             for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())},
                 "by_transition": {key: {"calls": n, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
@@ -193,6 +199,17 @@ def host_phase(name: str):
         stalls = getattr(self, "stalls", None)
         if stalls is not None:
             stalls.add_phase(name, seconds)
+    return timed_into(add)
+
+
+def admission_phase(name: str):
+    """Adds an admission's named part (the target's prefill, the draft context written from it) to
+    ``self.stalls.admission_s[name]``: host time, like :func:`host_phase`'s, which is what the
+    scheduler waits on where admissions are host-bound."""
+    def add(self, seconds: float) -> None:
+        stalls = getattr(self, "stalls", None)
+        if stalls is not None:
+            stalls.add_admission_phase(name, seconds)
     return timed_into(add)
 
 

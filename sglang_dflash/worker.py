@@ -77,7 +77,7 @@ from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, length_sets_report, make_draft_input
 from .fallback import make_fallback
-from .host_pauses import StepStalls, call_shape, host_phase, policy_time, process_pauses
+from .host_pauses import StepStalls, admission_phase, call_shape, host_phase, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
 from .sampling import (HalfVerifyLogits, OutputCounts, PlainDecodingKernels, argmax_only, plain_decoding_kernels,
@@ -553,7 +553,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
     def prefill_step(self, batch, on_publish) -> GenerationBatchResult:
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
         self.output_counts.start(batch.reqs)
-        result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        result = self.target_prefill(batch)
         self.prefills += 1
         self.prefills_in_graphs += bool(getattr(result, "can_run_cuda_graph", False))
         self.joined += len(batch.reqs)
@@ -569,6 +569,10 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         result.logits_output.hidden_states = None
         result.next_draft_input = make_draft_input(bonus_tokens=result.next_token_ids, new_seq_lens=batch.seq_lens)
         return result
+
+    @admission_phase("target")
+    def target_prefill(self, batch):
+        return self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
 
     @host_phase("draft")
     def draft_step(self, batch, bufs: dict, width: Optional[int] = None) -> DraftBlock:

@@ -56,7 +56,10 @@ def make_handler(args):
                                                                   "gap_ms": 4.0 * count["n"], "policy_ms": 0.2 * count["n"],
                                                                   "phases_ms": {"verify": 4.8 * count["n"], "accept": 1.2 * count["n"]}},
                                                   # per request: 4 decode steps (8 ms in calls, 4 before),
-                                                  # one admission (3 ms in the call, 1 before)
+                                                  # one admission (3 ms in the call, 1 before): of its call
+                                                  # the target's prefill 2 ms, the draft context 0.5
+                                                  "admission_host": {"phases_ms": {"target": 2.0 * count["n"],
+                                                                                   "draft context": 0.5 * count["n"]}},
                                                   "by_mode": {
                                                       "decode": {"calls": 4 * count["n"], "tokens": 0,
                                                                  "call_ms": 8.0 * count["n"], "gap_ms": 4.0 * count["n"]},

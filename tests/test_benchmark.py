@@ -30,7 +30,7 @@ from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summar
 from sglang_dflash.bench.report import paired_wave_table, plot, wave_tails_table
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
-                                      ttft_parts, ttft_parts_summary, wave_host_per_step,
+                                      ttft_parts, ttft_parts_summary, wave_admission_host, wave_host_per_step,
                                       wave_steps_by_what_came_before, wave_tails, wave_time_by_mode)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
@@ -381,6 +381,11 @@ def test_interleaved_sweep_takes_turns_wave_by_wave(tmp_path, chat_model, data_d
         {"wall_ms": 16.0, "decode": {"calls": 4, "call": 0.5, "gap": 0.25, "call_ms": 2.0},
          "extend": {"calls": 1, "call": 0.1875, "gap": 0.0625, "call_ms": 3.0}}] * 2
     assert wave_time_by_mode(rows["ar"]) == []
+    # An admission's parts: the target's prefill and the draft context written from it.
+    assert wave_admission_host(rows["plugin"]) == [
+        {"admissions": 1, "call": 3.0, "phases": {"target": 2.0, "draft context": 0.5}}] * 2
+    assert wave_admission_host(rows["ar"]) == []
+    assert "| plugin | gsm8k | 1 | 2 | 1.00 | 3.00 | 2.00 | 0.50 |" in (tmp_path / "report.md").read_text()
     # Decode steps after an admission apart from the steady ones: 6 ms against 2 ms a step.
     assert wave_steps_by_what_came_before(rows["plugin"]) == [
         {"extend>decode": {"steps": 1, "ms": 6.0}, "decode>decode": {"steps": 3, "ms": 2.0}}] * 2

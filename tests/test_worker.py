@@ -593,6 +593,31 @@ def test_prefills_replayed_from_sglangs_prefill_graphs_are_counted():
     assert written[-1] == [2, 3, 4, 0, 1]  # each request's new tokens after its cached prefix
 
 
+def test_an_admission_times_the_targets_prefill_and_the_draft_context_apart(monkeypatch):
+    """What a draft costs outside the decode step: the draft context an admission writes, beside the
+    target's prefill, in /get_server_info's ``admission_host`` (host time, summed since start)."""
+    import sglang_dflash.host_pauses as host_pauses
+    from sglang_dflash.worker import DFlashWorker
+
+    clock = iter([0.0, 0.030, 0.031, 0.036] * 2)  # target 30 ms, then the draft context 5 ms; twice
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+    worker = object.__new__(DFlashWorker)
+    worker.device, worker.prefills, worker.prefills_in_graphs, worker.window = "cpu", 0, 0, None
+    worker.stalls = StepStalls()
+    worker.output_counts = SimpleNamespace(start=lambda reqs: None)
+    worker.draft_head = SimpleNamespace(observe=lambda ids, checked: None)
+    worker.write_context_kv = lambda hidden, positions, loc: None
+    batch = SimpleNamespace(reqs=[], input_ids=None, seq_lens=torch.tensor([5, 2]), prefix_lens=[2, 0],
+                            extend_lens=[3, 2], out_cache_loc=torch.arange(5))
+    out = SimpleNamespace(logits_output=SimpleNamespace(hidden_states=torch.zeros(5, 4)),
+                          next_token_ids=torch.tensor([7, 8]))
+    worker._target_worker = SimpleNamespace(forward_batch_generation=lambda batch, capture_hidden_mode: out)
+    for _ in range(2):
+        out.logits_output.hidden_states = torch.zeros(5, 4)
+        DFlashWorker.prefill_step(worker, batch, None)
+    assert worker.stalls.report()["admission_host"] == {"phases_ms": {"draft context": 10.0, "target": 60.0}}
+
+
 @pytest.mark.parametrize("tp_size, hybrid", [(2, False), (1, True)])
 def test_where_adaptive_width_cannot_serve_the_default_fixes_the_block_and_a_named_auto_stops(
         monkeypatch, caplog, tp_size, hybrid):
@@ -712,7 +737,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("stalls") == {"calls": 0, "over_ms": 50.0, "stalls": 0, "stall_ms": 0.0, "recent": [],
                                              "host_ms_by_width": {}, "decode_host": {"calls": 0, "call_ms": 0.0,
                                                                                      "gap_ms": 0.0, "policy_ms": 0.0, "phases_ms": {}},
-                                             "by_mode": {}, "by_transition": {}}
+                                             "admission_host": {"phases_ms": {}}, "by_mode": {}, "by_transition": {}}
     from sglang_dflash.draft_input import bulk_prepare_serves
 
     assert state["dflash"].pop("bulk_prepare") is bulk_prepare_serves()

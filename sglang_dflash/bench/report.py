@@ -6,8 +6,8 @@ import json
 import os
 import statistics
 
-from .stats import (paired_ratio_stats, paired_wave_cycles, wave_host_per_step, wave_steps_by_what_came_before,
-                    wave_tails, wave_time_by_mode)
+from .stats import (paired_ratio_stats, paired_wave_cycles, wave_admission_host, wave_host_per_step,
+                    wave_steps_by_what_came_before, wave_tails, wave_time_by_mode)
 
 
 def paired_wave_table(rows: list[dict], datasets: list, concs: list, a: str = "plugin", b: str = "builtin") -> list[str]:
@@ -88,6 +88,26 @@ def time_by_mode_table(rows: list[dict]) -> list[str]:
                         "ms an admission call"])
 
 
+ADMISSION_PHASES = ("target", "draft context")
+
+
+def admission_host_table(rows: list[dict]) -> list[str]:
+    """Plugin servers' host time per admission, medians over a level's waves: the worker call and its
+    parts, the target's prefill and the draft context written from it (what a draft costs outside
+    the decode step; plain decoding's admission is its prefill alone: "ms an admission call" above)."""
+    def cells(waves):
+        def median(get):
+            got = [x for x in map(get, waves) if x is not None]
+            return f"{statistics.median(got):.2f}" if got else "-"
+
+        return [median(lambda w: w["admissions"]), median(lambda w: w["call"])] + [
+            median(lambda w, k=k: w["phases"].get(k)) for k in ADMISSION_PHASES]
+
+    return waves_table(rows, wave_admission_host, cells,
+                       "## Host time per admission (ms): medians over waves (the target's prefill and the draft context: parts of the worker call)",
+                       ["admissions", "worker call", *ADMISSION_PHASES])
+
+
 def steps_by_what_came_before_table(rows: list[dict]) -> list[str]:
     """Decode steps right after an admission against those after another decode step, medians over
     a level's waves: where requests come and go, the first kind (which the width policy never
@@ -149,6 +169,7 @@ def markdown_report(rows: list[dict], settings: dict, failures: list[dict]) -> s
     lines += paired_wave_table(rows, datasets, concs)
     lines += host_time_table(rows)
     lines += time_by_mode_table(rows)
+    lines += admission_host_table(rows)
     lines += steps_by_what_came_before_table(rows)
     lines += wave_tails_table(rows)
     lines += ["## Latency (ms): TTFT p50/p99, TPOT p50/p99", "", "| impl | dataset | conc | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",

@@ -201,6 +201,26 @@ def wave_time_by_mode(row: dict) -> list[dict]:
     return out
 
 
+def wave_admission_host(row: dict) -> list[dict]:
+    """Each wave's mean host time per admission (ms) of a plugin server: the worker call, and its
+    named parts where the server reports them (``admission_host``: the target's prefill, the draft
+    context written from it), from the running totals read after every wave; what a draft costs
+    outside the decode step. The level's first wave is left out, as in :func:`wave_host_per_step`."""
+    reads = row.get("wave_host_pauses") or []
+    out = []
+    for before, after in zip(reads, reads[1:]):
+        if not before or not after or "admission_host" not in after:
+            continue
+        now, then = (after.get("by_mode") or {}).get("extend"), (before.get("by_mode") or {}).get("extend") or {}
+        calls = (now or {}).get("calls", 0) - then.get("calls", 0)
+        if calls <= 0:
+            continue
+        parts, was = after["admission_host"]["phases_ms"], (before.get("admission_host") or {}).get("phases_ms", {})
+        out.append({"admissions": calls, "call": round((now["call_ms"] - then.get("call_ms", 0.0)) / calls, 3),
+                    "phases": {k: round((v - was.get(k, 0.0)) / calls, 3) for k, v in parts.items()}})
+    return out
+
+
 def wave_steps_by_what_came_before(row: dict) -> list[dict]:
     """Each wave's decode steps right after an admission (``extend>decode``) and after another
     decode step (``decode>decode``): steps and mean ms a step (the worker call and the gap before

@@ -276,7 +276,7 @@ def compile_every_level(url: str, label: str, datasets: dict, concurrencies: lis
 
 
 # What a wave keeps of the worker calls' ledger (the plugin's ``dflash.stalls``, a plain server's ``scheduler_ledger``).
-STALL_KEYS = ("stalls", "stall_ms", "recent", "decode_host", "by_mode", "by_transition")
+STALL_KEYS = ("stalls", "stall_ms", "recent", "decode_host", "admission_host", "by_mode", "by_transition")
 
 
 def host_pauses(url: str) -> Optional[dict]:
