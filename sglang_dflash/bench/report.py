@@ -92,9 +92,9 @@ ADMISSION_PHASES = ("target", "draft context")
 
 
 def admission_host_table(rows: list[dict]) -> list[str]:
-    """Plugin servers' host time per admission, medians over a level's waves: the worker call and its
-    parts, the target's prefill and the draft context written from it (what a draft costs outside
-    the decode step; plain decoding's admission is its prefill alone: "ms an admission call" above)."""
+    """Host time per admission, medians over a level's waves: the worker call and, for the plugin,
+    its parts, the target's prefill and the draft context written from it (what a draft costs outside
+    the decode step; plain decoding's admission, from its ledger, is its prefill alone)."""
     def cells(waves):
         def median(get):
             got = [x for x in map(get, waves) if x is not None]

@@ -202,9 +202,9 @@ def wave_time_by_mode(row: dict) -> list[dict]:
 
 
 def wave_admission_host(row: dict) -> list[dict]:
-    """Each wave's mean host time per admission (ms) of a plugin server: the worker call, and its
-    named parts where the server reports them (``admission_host``: the target's prefill, the draft
-    context written from it), from the running totals read after every wave; what a draft costs
+    """Each wave's mean host time per admission (ms): the worker call, and for a plugin server its
+    named parts (``admission_host``: the target's prefill, the draft context written from it; a plain
+    server's ledger has none), from the running totals read after every wave: what a draft costs
     outside the decode step. The level's first wave is left out, as in :func:`wave_host_per_step`."""
     reads = row.get("wave_host_pauses") or []
     out = []
