@@ -191,26 +191,27 @@ def timed_into(add):
     return wrap
 
 
+def _into_stalls(adder: str, name: str):
+    """A method's host time to ``self.stalls.<adder>(name, seconds)``, where the worker has its stalls."""
+    def add(self, seconds: float) -> None:
+        stalls = getattr(self, "stalls", None)
+        if stalls is not None:
+            getattr(stalls, adder)(name, seconds)
+    return timed_into(add)
+
+
 def host_phase(name: str):
     """Adds a decode step's named part (draft, verify, accept, state, context) to
     ``self.stalls.phase_s[name]``: with the overlap schedule a part only launches work, so its host
     time is what the scheduler waits on when the step is host-bound."""
-    def add(self, seconds: float) -> None:
-        stalls = getattr(self, "stalls", None)
-        if stalls is not None:
-            stalls.add_phase(name, seconds)
-    return timed_into(add)
+    return _into_stalls("add_phase", name)
 
 
 def admission_phase(name: str):
     """Adds an admission's named part (the target's prefill, the draft context written from it) to
     ``self.stalls.admission_s[name]``: host time, like :func:`host_phase`'s, which is what the
     scheduler waits on where admissions are host-bound."""
-    def add(self, seconds: float) -> None:
-        stalls = getattr(self, "stalls", None)
-        if stalls is not None:
-            stalls.add_admission_phase(name, seconds)
-    return timed_into(add)
+    return _into_stalls("add_admission_phase", name)
 
 
 def _add_policy_time(self, seconds: float) -> None:
