@@ -3,7 +3,7 @@
 against the built-in from interleaved sweeps of all three (``IMPLS=ar,adaptive,builtin`` of
 ``lab/gpu_smollm2_pair.sh sweep``), with the goals checked and one plot line per set.
 
-    python3 lab/heldout_report.py OUT_DIR RUN/results.json [RUN2/results.json ...]
+    python3 -m lab.heldout_report OUT_DIR RUN/results.json [RUN2/results.json ...]
                                   [--default adaptive] [--setup TEXT]
 
 Waves are pooled per set and level over every run given (whole rotation cycles, as
@@ -87,9 +87,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    from lab.plot_pooled import level_points  # sets matplotlib's Agg backend first
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     levels = report["levels"]
@@ -97,13 +96,9 @@ def plot(report: dict, path: str) -> None:
     for ax, key, title in ((axes[0], "default_over_ar", "default / plain decoding"),
                            (axes[1], "default_over_builtin", "default / built-in")):
         for dataset, got in sorted(report[key].items()):
-            xs = [k for k, c in enumerate(levels) if c in got]
-            if not xs:
-                continue
-            mean = [got[levels[k]]["geomean"] for k in xs]
-            low = [got[levels[k]]["geomean"] - got[levels[k]]["ci95"][0] for k in xs]
-            high = [got[levels[k]]["ci95"][1] - got[levels[k]]["geomean"] for k in xs]
-            ax.errorbar(xs, mean, yerr=[low, high], marker="o", capsize=3, label=dataset)
+            conc, mean, low, high = level_points(got)
+            ax.errorbar([levels.index(f"c{c}") for c in conc], mean, yerr=[low, high], marker="o", capsize=3,
+                        label=dataset)
         ax.axhline(1.0, color="black", lw=0.8)
         if key == "default_over_ar":
             ax.axhline(OVER_AR_LOW, color="grey", lw=0.8, ls="--", label=f"interval floor {OVER_AR_LOW}")

@@ -16,7 +16,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def points(path: str) -> tuple[list[int], list[float], list[float], list[float]]:
-    pooled = json.load(open(path))["pooled"]
+    return level_points(json.load(open(path))["pooled"])
+
+
+def level_points(pooled: dict) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(concurrencies, geomeans, distance down to the interval, up to it) of ``{"cN": {geomean, ci95}}``."""
     levels = sorted(pooled, key=lambda k: int(k.lstrip("c")))
     conc = [int(k.lstrip("c")) for k in levels]
     mean = [pooled[k]["geomean"] for k in levels]

@@ -422,7 +422,7 @@ def test_the_heldout_report_pools_each_set_and_level_and_names_every_missed_goal
         paths.append(tmp_path / f"run{k}" / "results.json")
         paths[-1].write_text(json.dumps({"rows": rows(scale)}))
     out = tmp_path / "report"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "lab", "heldout_report.py"), str(out), *map(str, paths),
+    run = subprocess.run([sys.executable, "-m", "lab.heldout_report", str(out), *map(str, paths),
                           "--setup", "SmolLM2, 0.5.23, H200, fa3"], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
     assert run.returncode == 1, run.stderr  # writing at c64 sits under plain decoding
@@ -438,6 +438,6 @@ def test_the_heldout_report_pools_each_set_and_level_and_names_every_missed_goal
     assert (out / "heldout.png").stat().st_size > 1000
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    refused = subprocess.run([sys.executable, os.path.join(ROOT, "lab", "heldout_report.py"), str(out), str(bad)],
+    refused = subprocess.run([sys.executable, "-m", "lab.heldout_report", str(out), str(bad)],
                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
