@@ -441,3 +441,18 @@ def test_the_heldout_report_pools_each_set_and_level_and_names_every_missed_goal
     refused = subprocess.run([sys.executable, "-m", "lab.heldout_report", str(out), str(bad)],
                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_the_summary_is_in_its_layout_and_the_check_catches_a_hand_edit(tmp_path):
+    layout = load_lab("summary_json")
+    committed = os.path.join(ROOT, "results", "summary.json")
+    assert layout.main(["--check", committed]) == 0, "python -m lab.summary_json results/summary.json"
+    edited = tmp_path / "summary.json"
+    edited.write_text(json.dumps({"a": {"c1": 1.0, "c8": [1.0, 2.0]}}, indent=1) + "\n")
+    assert layout.main(["--check", str(edited)]) == 1
+    assert layout.main([str(edited)]) == 0
+    assert edited.read_text() == '{\n "a": {"c1": 1.0, "c8": [1.0, 2.0]}\n}\n'
+    long = {"notes": ["x" * 70, "y" * 70], "deep": {"a": {"b": {"c": 1}}}}
+    laid_out = layout.dumps(long)
+    assert json.loads(laid_out) == long
+    assert '\n  "x' in laid_out and '"deep": {\n  "a": {"b": {"c": 1}}\n }' in laid_out
