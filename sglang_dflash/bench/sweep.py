@@ -577,6 +577,10 @@ def sweep_interleaved(args, specs: list, datasets: dict, log_dir: str) -> tuple[
         print(f"CPUs: {', '.join(f'{s.label} {list(s.cpus)}' for s in specs)}, client {list(client)} "
               f"(the servers trade slices wave by wave)", flush=True)
     sized = "--mem-fraction-static" not in server_flags(args)
+    if sized:
+        short = memory_shortfall(specs, args.kv_cache_gb, gpu_free_bytes())
+        if short:  # before any server loads: each would wait minutes for the one that cannot fit
+            raise SystemExit(short)
     budget = (TimeBudget(args.time_budget, measure_seconds=args.measure_seconds, later_start=args.later_start_seconds)
               if args.time_budget else None)
     with contextlib.ExitStack() as stack:
@@ -653,6 +657,20 @@ def pool_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
 
 def server_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
     return weights_bytes(spec) + pool_bytes(spec, kv_cache_gb)
+
+
+def memory_shortfall(specs: list, kv_cache_gb: float, free: Optional[int]) -> Optional[str]:
+    """Why ``specs`` cannot all be up on one GPU with ``free`` bytes, or None: each needs its
+    weights, KV and recurrent state inside its static fraction, and SGLang's own slack besides."""
+    needs = [server_bytes(spec, kv_cache_gb) for spec in specs]
+    if not free or sum(needs) <= free:
+        return None
+    parts = ", ".join(f"{spec.label} {need / 1e9:.1f} (weights {weights_bytes(spec) / 1e9:.1f}"
+                      + (f", recurrent state {spec.state_bytes / 1e9:.1f}" if spec.state_bytes else "") + ")"
+                      for spec, need in zip(specs, needs))
+    return (f"sweep: the servers need {sum(needs) / 1e9:.1f} GB with {kv_cache_gb:g} GiB of KV each: {parts}; "
+            f"the GPU has {free / 1e9:.1f} GB free: start fewer servers a call, or lower --concurrencies "
+            f"(a hybrid's recurrent state grows with the top level), --kv-cache-gb or the weights (--quantization fp8)")
 
 
 def with_memory_fraction(spec: ServerSpec, kv_cache_gb: float, neighbours_bytes: int = 0) -> ServerSpec:
