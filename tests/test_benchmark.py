@@ -849,7 +849,7 @@ def test_interleaved_servers_are_sized_one_after_another_from_the_free_memory(tm
     assert [args.count("--mem-fraction-static") for args in launched] == [1, 1]
 
 
-def test_servers_that_cannot_all_fit_are_refused_in_one_line_before_any_loads(tmp_path, monkeypatch, capsys):
+def test_servers_that_cannot_all_fit_are_refused_in_one_line_before_any_loads(tmp_path, monkeypatch):
     """Seen on an H100 (0.5.23): two Qwen3.5-27B rig servers in fp8 at c8, 31.2 GB of weights and
     26.5 GiB of recurrent state each, were started one after the other, and each stopped at start
     after a minute of loading. The sweep now says so before loading anything."""
@@ -857,8 +857,8 @@ def test_servers_that_cannot_all_fit_are_refused_in_one_line_before_any_loads(tm
     monkeypatch.setattr(ServerSpec, "command", lambda self, port: launched.append(self.impl) or [
         sys.executable, FAKE, "--port", str(port)])
     monkeypatch.setattr(sweep, "gpu_free_bytes", lambda: int(85e9))
-    argv = ["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--rig-shape", "qwen3.5-27b", "--interleave", "--num-prompts", "1", "--max-new-tokens", "4",
-            "--server-args", "--quantization fp8", "--kv-cache-gb", "2", "--output-dir", str(tmp_path / "out"),
+    argv = ["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--rig-shape", "qwen3.5-27b", "--interleave",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--server-args", "--quantization fp8", "--kv-cache-gb", "2", "--output-dir", str(tmp_path / "out"),
             "--startup-timeout", "30"]
     with pytest.raises(SystemExit) as refused:
         sweep.main(argv + ["--impls", "adaptive,builtin", "--concurrencies", "1,8"])

@@ -660,8 +660,9 @@ def server_bytes(spec: ServerSpec, kv_cache_gb: float) -> int:
 
 
 def memory_shortfall(specs: list, kv_cache_gb: float, free: Optional[int]) -> Optional[str]:
-    """Why ``specs`` cannot all be up on one GPU with ``free`` bytes, or None: each needs its
-    weights, KV and recurrent state inside its static fraction, and SGLang's own slack besides."""
+    """Why ``specs`` cannot all be up on one GPU with ``free`` bytes, or None. What each needs inside
+    its static fraction (weights, KV, recurrent state) is a floor: SGLang also keeps activations and
+    CUDA graphs outside it, so servers that pass may still not start."""
     needs = [server_bytes(spec, kv_cache_gb) for spec in specs]
     if not free or sum(needs) <= free:
         return None
