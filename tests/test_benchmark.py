@@ -858,8 +858,8 @@ def test_servers_that_cannot_all_fit_are_refused_in_one_line_before_any_loads(tm
         sys.executable, FAKE, "--port", str(port)])
     monkeypatch.setattr(sweep, "gpu_free_bytes", lambda: int(85e9))
     argv = ["--rig", "zero", "--rig-dir", str(tmp_path / "rig"), "--rig-shape", "qwen3.5-27b", "--interleave",
-            "--num-prompts", "1", "--max-new-tokens", "4", "--server-args", "--quantization fp8", "--kv-cache-gb", "2", "--output-dir", str(tmp_path / "out"),
-            "--startup-timeout", "30"]
+            "--num-prompts", "1", "--max-new-tokens", "4", "--server-args", "--quantization fp8", "--kv-cache-gb", "2",
+            "--output-dir", str(tmp_path / "out"), "--startup-timeout", "30"]
     with pytest.raises(SystemExit) as refused:
         sweep.main(argv + ["--impls", "adaptive,builtin", "--concurrencies", "1,8"])
     line = str(refused.value.code)
