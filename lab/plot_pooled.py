@@ -38,14 +38,18 @@ def main() -> None:
     args = ap.parse_args()
     fig, axes = plt.subplots(1, len(args.panel), figsize=(5.5 * len(args.panel), 4.2), squeeze=False)
     for ax, (title, *lines) in zip(axes[0], args.panel):
+        levels = set()
         for k, spec in enumerate(lines):
             label, _, path = spec.partition("=")
             conc, mean, low, high = points(path)
+            levels.update(conc)
             shift = [c * 2 ** (0.08 * (k - (len(lines) - 1) / 2)) for c in conc]  # keep intervals apart
             ax.errorbar(shift, mean, yerr=[low, high], marker="o", capsize=3, label=label)
         for y in [1.0, *args.line]:
             ax.axhline(y, color="grey", lw=0.8, ls="-" if y == 1.0 else "--")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(levels), [str(c) for c in sorted(levels)])  # the levels measured, not powers of 2
+        ax.minorticks_off()
         ax.set_xlabel("concurrency")
         ax.set_ylabel("tok/s ratio (paired waves)")
         ax.set_title(title)
