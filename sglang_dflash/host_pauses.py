@@ -13,7 +13,7 @@ import functools
 import gc
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 import torch
@@ -103,8 +103,8 @@ class StepStalls:
         self.by_width: dict[tuple[int, int], deque] = {}  # (width, bucket) -> (call s, gap s)
         self.decode_calls, self.decode_call_s, self.decode_gap_s = 0, 0.0, 0.0  # since start, gap known
         self.policy_s = 0.0  # since start: the width policy's own calls (the worker adds them, :func:`policy_time`)
-        self.phase_s: dict[str, float] = {}  # since start: each named step of a decode call (:func:`host_phase`)
-        self.admission_s: dict[str, float] = {}  # since start: each named part of an admission (:func:`admission_phase`)
+        self.phase_s: Counter = Counter()  # seconds since start: each named step of a decode call (:func:`host_phase`)
+        self.admission_s: Counter = Counter()  # seconds since start: each named part of an admission (:func:`admission_phase`)
         self.by_mode: dict[str, list] = {}  # mode -> [calls, tokens, call s, gap s] since start
         self.by_transition: dict[str, list] = {}  # "previous>this" mode -> [calls, call s, gap s] since start
         self._start: Optional[float] = None
@@ -144,10 +144,7 @@ class StepStalls:
         self._start, self._last_end, self._last_mode = None, now, mode
 
     def add_phase(self, name: str, seconds: float) -> None:
-        self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
-
-    def add_admission_phase(self, name: str, seconds: float) -> None:
-        self.admission_s[name] = self.admission_s.get(name, 0.0) + seconds
+        self.phase_s[name] += seconds
 
     def report(self) -> dict:
         self._last_end = None
@@ -160,9 +157,9 @@ class StepStalls:
                 "host_ms_by_width": by_width,  # medians of the last decode calls at each width@bucket
                 "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
                                 "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3),
-                                "phases_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.phase_s.items())}},
+                                "phases_ms": _ms_by_name(self.phase_s)},
                 # The admissions' parts (their count: by_mode's extend calls), for what a draft costs outside the step.
-                "admission_host": {"phases_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.admission_s.items())}},
+                "admission_host": {"phases_ms": _ms_by_name(self.admission_s)},
                 "by_mode": {mode: {"calls": n, "tokens": tokens, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
                             for mode, (n, tokens, call, gap) in sorted(self.by_mode.items())},
                 "by_transition": {key: {"calls": n, "call_ms": round(call * 1e3, 3), "gap_ms": round(gap * 1e3, 3)}
@@ -191,12 +188,16 @@ def timed_into(add):
     return wrap
 
 
-def _into_stalls(adder: str, name: str):
-    """A method's host time to ``self.stalls.<adder>(name, seconds)``, where the worker has its stalls."""
+def _ms_by_name(seconds: Counter) -> dict:
+    return {k: round(v * 1e3, 3) for k, v in sorted(seconds.items())}
+
+
+def _into_stalls(parts: str, name: str):
+    """A method's host time added to ``self.stalls.<parts>[name]``, where the worker has its stalls."""
     def add(self, seconds: float) -> None:
         stalls = getattr(self, "stalls", None)
         if stalls is not None:
-            getattr(stalls, adder)(name, seconds)
+            getattr(stalls, parts)[name] += seconds
     return timed_into(add)
 
 
@@ -204,14 +205,14 @@ def host_phase(name: str):
     """Adds a decode step's named part (draft, verify, accept, state, context) to
     ``self.stalls.phase_s[name]``: with the overlap schedule a part only launches work, so its host
     time is what the scheduler waits on when the step is host-bound."""
-    return _into_stalls("add_phase", name)
+    return _into_stalls("phase_s", name)
 
 
 def admission_phase(name: str):
     """Adds an admission's named part (the target's prefill, the draft context written from it) to
     ``self.stalls.admission_s[name]``: host time, like :func:`host_phase`'s, which is what the
     scheduler waits on where admissions are host-bound."""
-    return _into_stalls("add_admission_phase", name)
+    return _into_stalls("admission_s", name)
 
 
 def _add_policy_time(self, seconds: float) -> None:

@@ -157,6 +157,12 @@ def paired_wave_cycles(rows: list[dict], a: str = "plugin", b: str = "builtin") 
     return out
 
 
+def _growth_per_call(after: dict, before: Optional[dict], calls: int, scale: float = 1.0, digits: int = 3) -> dict:
+    """Each named running total's growth between two reads, per call (``scale`` x, rounded)."""
+    before = before or {}
+    return {k: round(scale * (v - before.get(k, 0.0)) / calls, digits) for k, v in after.items()}
+
+
 def wave_host_per_step(row: dict) -> list[dict]:
     """Each wave's mean host time per decode step (us) of a plugin server, from the running totals
     read after every wave (``wave_host_pauses``' ``decode_host``): in the worker call, in the
@@ -171,8 +177,7 @@ def wave_host_per_step(row: dict) -> list[dict]:
         calls = after["calls"] - before["calls"]
         wave = {k: round(1e3 * (after[f"{k}_ms"] - before[f"{k}_ms"]) / calls, 1) for k in ("call", "gap", "policy")}
         if "phases_ms" in after:
-            then = before.get("phases_ms") or {}
-            wave["phases"] = {k: round(1e3 * (v - then.get(k, 0.0)) / calls, 1) for k, v in after["phases_ms"].items()}
+            wave["phases"] = _growth_per_call(after["phases_ms"], before.get("phases_ms"), calls, scale=1e3, digits=1)
         out.append(wave)
     return out
 
@@ -215,9 +220,9 @@ def wave_admission_host(row: dict) -> list[dict]:
         calls = (now or {}).get("calls", 0) - then.get("calls", 0)
         if calls <= 0:
             continue
-        parts, was = after["admission_host"]["phases_ms"], (before.get("admission_host") or {}).get("phases_ms", {})
+        was = (before.get("admission_host") or {}).get("phases_ms")
         out.append({"admissions": calls, "call": round((now["call_ms"] - then.get("call_ms", 0.0)) / calls, 3),
-                    "phases": {k: round((v - was.get(k, 0.0)) / calls, 3) for k, v in parts.items()}})
+                    "phases": _growth_per_call(after["admission_host"]["phases_ms"], was, calls)})
     return out
 
 
