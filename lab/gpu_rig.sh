@@ -17,6 +17,8 @@
 # MAX_NEW=N: each request's length. Steady profile: default 2048 (at τ ≈ 1 and c1 a longer one keeps
 # an admission out of the 20 traced steps). Bench: default 256 (1024 weighs a wave by its decode).
 # PREFILL_GRAPHS=N: prefills from SGLang's breakable graphs (its default) up to N tokens (default 4096); off: eagerly.
+# MEM_FRACTION (profile): each server's --mem-fraction-static (default 0.45; the servers run one at a
+# time, so 0.85 fits a 35B-A3B fp8 server on an H100).
 # PIN=1 (bench): each server on CPUs of its own (--pin-cpus), so no server's first tokens wait on another's.
 # BUDGET=SECONDS (bench): --time-budget, set 30-60 s below the call's limit: a later server starts only if
 # time to measure is left after it (a third of BUDGET, or MEASURE=SECONDS: a hybrid rig's cold starts take
@@ -55,7 +57,7 @@ case $mode in
             --concurrency "$concs" --steps 20 --trace-dir /tmp/traces-$weights-$backend \
             $(case ${LIGHT:-0} in 1) echo --light ;; both) echo --light-too ;; esac) \
             $([ "${WAVE:-0}" = 1 ] && echo "--wave --max-new-tokens 256" || echo "--max-new-tokens ${MAX_NEW:-2048}") \
-            --server-args "$flags --mem-fraction-static 0.45" --output-dir "$out" ;;
+            --server-args "$flags --mem-fraction-static ${MEM_FRACTION:-0.45}" --output-dir "$out" ;;
     bench)
         python3 -m sglang_dflash.bench.sweep --rig "$weights" $rig_shape --impls "${IMPLS:-ar,plugin,builtin}" --interleave \
             --concurrencies "$concs" --num-prompts 8 --waves "${WAVES:-24}" --max-new-tokens "${MAX_NEW:-256}" \
