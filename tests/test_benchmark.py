@@ -29,8 +29,8 @@ from sglang_dflash.bench.pool import main as pool_main
 from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summarize_trace, worker_steps
 from sglang_dflash.bench.report import paired_wave_table, plot, wave_tails_table
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
-from sglang_dflash.bench.stats import (MIN_CYCLES, paired_ratio_stats, paired_wave_cycles, side_by_side, summarize,
-                                      ttft_parts, ttft_parts_summary, wave_admission_host, wave_host_per_step,
+from sglang_dflash.bench.stats import (MIN_CYCLES, apart_ratio_stats, paired_ratio_stats, paired_wave_cycles,
+                                      side_by_side, summarize, ttft_parts, ttft_parts_summary, wave_admission_host, wave_host_per_step,
                                       wave_steps_by_what_came_before, wave_tails, wave_time_by_mode)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
@@ -710,6 +710,36 @@ def test_pooled_waves_pair_within_each_run_and_pool_accept_lengths(tmp_path, cap
     assert "# plugin / ar, paired waves pooled over 2 interleaved runs" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # no run has the two
         pool_main(paths + ["--output-dir", str(tmp_path / "y"), "--pair", "plugin", "plugin-fixed"])
+
+
+def test_pooling_runs_apart_divides_all_waves_of_one_server_by_all_of_the_other(tmp_path, capsys):
+    """Two servers that do not fit one GPU run in calls of their own: nothing pairs their waves, so
+    the ratio is of geometric means, each side resampled on its own."""
+    def row(label, conc, waves):
+        return {"impl": label, "label": label, "dataset": "rig-zero", "concurrency": conc, "output_tokens": 1024,
+                "wall_s": 1.0, "spec_verify_ct": 64, "wave_tok_s": waves, "output_tok_s": 1024.0,
+                "step_p50_ms": 10.0, "ttft_p50_ms": 50.0}
+    runs = {"plugin": [row("adaptive", 1, [110.0, 121.0]), row("adaptive", 8, [500.0])],
+            "builtin": [row("builtin", 1, [100.0, 100.0, 100.0])]}
+    paths = []
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"rows": rows}))
+        paths.append(str(tmp_path / name / "results.json"))
+    # the interleaved pooling finds no pairs in such runs
+    with pytest.raises(SystemExit):
+        pool_main(paths + ["--output-dir", str(tmp_path / "paired"), "--pair", "adaptive", "builtin"])
+    assert pool_main(paths + ["--output-dir", str(tmp_path / "out"), "--pair", "adaptive", "builtin", "--apart"]) == 0
+    pooled = json.load(open(tmp_path / "out" / "pooled_waves.json"))
+    c1 = pooled["pooled"]["c1"]
+    assert list(pooled["pooled"]) == ["c1"] and pooled["apart"]  # c8 has no built-in waves
+    assert c1["waves"] == [2, 3] and c1["geomean"] == pytest.approx((110 * 121) ** 0.5 / 100)
+    assert c1["ci95"][0] == pytest.approx(1.1) and c1["ci95"][1] == pytest.approx(1.21)  # the built-in never varies
+    assert c1["adaptive_accept_len"] == pytest.approx(16.0)
+    assert "| 1 | 2 / 3 | 1.154x | 1.100-1.210 |" in capsys.readouterr().out
+    assert [(e["run"], e["concurrency"]) for e in pooled["per_run"]] == [("plugin", 1), ("plugin", 8), ("builtin", 1)]
+    with pytest.raises(ValueError):
+        apart_ratio_stats([100.0], [])
 
 
 def test_cpu_slices_keep_servers_and_client_apart():
