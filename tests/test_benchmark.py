@@ -30,8 +30,8 @@ from sglang_dflash.bench.profile_step import first_token_path, idle_gaps, summar
 from sglang_dflash.bench.report import paired_wave_table, plot, wave_tails_table
 from sglang_dflash.bench.server import Server, ServerError, ServerSpec, cpu_slices, free_port
 from sglang_dflash.bench.stats import (MIN_CYCLES, apart_ratio_stats, paired_ratio_stats, paired_wave_cycles,
-                                      side_by_side, summarize, ttft_parts, ttft_parts_summary, wave_admission_host, wave_host_per_step,
-                                      wave_steps_by_what_came_before, wave_tails, wave_time_by_mode)
+                                      side_by_side, summarize, ttft_parts, ttft_parts_summary, wave_admission_host,
+                                      wave_host_per_step, wave_steps_by_what_came_before, wave_tails, wave_time_by_mode)
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_sglang_server.py")
 
