@@ -34,3 +34,17 @@ def test_replaying_the_accepted_tokens_commits_the_snapshot_verifys_states_bit_f
             assert c["saved_outputs_equal" + suffix] and c["saved_states_equal" + suffix], c
             assert not c["output_only_wrote_state" + suffix], c
         assert c["same_launch_snapshot_unwritten"], c
+
+
+def test_a_verify_can_start_from_its_requests_snapshot_row_with_no_commit_copy(tmp_path):
+    """docs/design/gdn-commit-without-copy.md: SGLang's kernel reading each request's start state from
+    the snapshot buffer it overwrites gives the commit copy's bits, once rows follow the requests."""
+    pytest.importorskip("triton")
+    report_path = tmp_path / "x.json"
+    out = subprocess.run([sys.executable, "-m", "lab.gdn_state_in_snapshot", str(report_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stdout[-1000:] + out.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert all(report["rows_follow_requests"].values()), report
+    assert not report["rows_by_batch_position"]["states_equal"], report  # a reordered batch clobbers them
