@@ -92,39 +92,44 @@ def pool_apart(runs: dict[str, list[dict]], a: str = "plugin", b: str = "builtin
     return {"pooled": pooled, "per_run": per_run, "runs": list(runs), "apart": True}
 
 
+def table(head: list[str], rows: list[list]) -> list[str]:
+    """A markdown table's lines."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+
+
 def markdown_apart(result: dict, a: str, b: str) -> str:
+    pooled = [[conc[1:], f"{e['waves'][0]} / {e['waves'][1]}", f"{e['geomean']:.3f}x",
+               f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f}",
+               f"{e[f'{a}_accept_len'] or 0:.3f} / {e[f'{b}_accept_len'] or 0:.3f}",
+               f"{e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}"] for conc, e in result["pooled"].items()]
+    runs = [[e["run"], e["server"], e["dataset"], e["concurrency"], e["waves"], f"{e['tok_s'] or 0:.0f}",
+             f"{e['step_p50_ms'] or 0:.2f}", f"{e['ttft_p50_ms'] or 0:.1f}"] for e in result["per_run"]]
     lines = [f"# {a} / {b}, waves of runs apart (one server a run), unpaired, over {len(result['runs'])} runs", "",
-             f"| concurrency | waves {a} / {b} | geometric mean | 95% interval (each side resampled) | "
-             f"accept length {a} / {b} | tok/s {a} / {b} |", "|---|---|---|---|---|---|"]
-    for conc, e in result["pooled"].items():
-        acc = f"{e[f'{a}_accept_len'] or 0:.3f} / {e[f'{b}_accept_len'] or 0:.3f}"
-        lines.append(f"| {conc[1:]} | {e['waves'][0]} / {e['waves'][1]} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} | {acc} | {e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f} |")
-    lines += ["", "Per run:", "", "| run | server | dataset | concurrency | waves | tok/s | step p50 ms | TTFT p50 ms |",
-              "|---|---|---|---|---|---|---|---|"]
-    for e in result["per_run"]:
-        lines.append(f"| {e['run']} | {e['server']} | {e['dataset']} | {e['concurrency']} | {e['waves']} | "
-                     f"{e['tok_s'] or 0:.0f} | {e['step_p50_ms'] or 0:.2f} | {e['ttft_p50_ms'] or 0:.1f} |")
+             *table(["concurrency", f"waves {a} / {b}", "geometric mean", "95% interval (each side resampled)",
+                     f"accept length {a} / {b}", f"tok/s {a} / {b}"], pooled),
+             "", "Per run:", "",
+             *table(["run", "server", "dataset", "concurrency", "waves", "tok/s", "step p50 ms", "TTFT p50 ms"], runs)]
     return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict, a: str = "plugin", b: str = "builtin") -> str:
     if result.get("apart"):
         return markdown_apart(result, a, b)
-    lines = [f"# {a} / {b}, paired waves pooled over {len(result['runs'])} interleaved runs", "",
-             "| concurrency | waves | waves >= 1x | geometric mean | 95% interval (resampled) | accept length "
-             f"{a} / {b} | tok/s {a} / {b} (AR) |", "|---|---|---|---|---|---|---|"]
+    pooled = []
     for conc, e in result["pooled"].items():
         acc = (f"{e[f'{a}_accept_len']:.3f} / {e[f'{b}_accept_len']:.3f} ({100 * (e['accept_len_ratio'] - 1):+.1f}%)"
                if "accept_len_ratio" in e else "-")
         ar = f" ({e['ar_tok_s']:.0f})" if e.get("ar_tok_s") else ""
-        lines.append(f"| {conc[1:]} | {e['waves']} | {e['at_least_1x']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} ({e['resampled']}) | {acc} | {e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}{ar} |")
-    lines += ["", "Per run and dataset:", "", "| run | dataset | concurrency | waves | geometric mean | 95% interval (resampled) |",
-              "|---|---|---|---|---|---|"]
-    for e in result["per_run"]:
-        lines.append(f"| {e['run']} | {e['dataset']} | {e['concurrency']} | {e['waves']} | {e['geomean']:.3f}x | "
-                     f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} ({e['resampled']}) |")
+        pooled.append([conc[1:], e["waves"], e["at_least_1x"], f"{e['geomean']:.3f}x",
+                       f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} ({e['resampled']})", acc,
+                       f"{e[f'{a}_tok_s']:.0f} / {e[f'{b}_tok_s']:.0f}{ar}"])
+    runs = [[e["run"], e["dataset"], e["concurrency"], e["waves"], f"{e['geomean']:.3f}x",
+             f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f} ({e['resampled']})"] for e in result["per_run"]]
+    lines = [f"# {a} / {b}, paired waves pooled over {len(result['runs'])} interleaved runs", "",
+             *table(["concurrency", "waves", "waves >= 1x", "geometric mean", "95% interval (resampled)",
+                     f"accept length {a} / {b}", f"tok/s {a} / {b} (AR)"], pooled),
+             "", "Per run and dataset:", "",
+             *table(["run", "dataset", "concurrency", "waves", "geometric mean", "95% interval (resampled)"], runs)]
     return "\n".join(lines) + "\n"
 
 
