@@ -33,22 +33,12 @@ import sys
 
 import torch
 
-from lab.gdn_verify_bench import CHECK_SHAPE, load_kernel_module
+from lab.gdn_verify_bench import CHECK_SHAPE, load_kernel_module, random_inputs
 
 PITCH = 4  # verify tokens a request the buffer holds (block size)
 WIDTHS = (4, 2)  # the first verify's width, then the second's
 LENGTHS = ((2, 4, 1), (1, 2, 2))  # accepted tokens a request (bonus included), in request order
 ORDER = (2, 0, 1)  # the second verify's batch: request 2, then 0, then 1
-
-
-def tokens(shape, n, gen):
-    HV, H, K, V = shape.value_heads, shape.key_heads, shape.key_dim, shape.value_dim
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen).to(torch.bfloat16)
-
-    return {"q": randn(1, n, H, K), "k": randn(1, n, H, K), "v": randn(1, n, HV, V), "a": randn(n, HV),
-            "b": randn(n, HV)}
 
 
 class Problem:
@@ -61,7 +51,7 @@ class Problem:
         slots = 2 * self.bs + 1
         self.pool0 = torch.randn(slots, HV, V, K, generator=gen) * 0.1
         self.slots = torch.randperm(slots, generator=gen)[: self.bs].to(torch.int32)
-        self.inputs = [tokens(shape, self.bs * w, gen) for w in WIDTHS]
+        self.inputs = [random_inputs(shape, self.bs * w, gen) for w in WIDTHS]
         self.orders = [list(range(self.bs)), list(ORDER)]
 
     def verify(self, step, source, starts, buffer, rows):

@@ -112,20 +112,26 @@ def load_kernel_module():
              f"none of {', '.join(KERNEL_MODULES)}; supported: 0.5.17, 0.5.23")
 
 
+def random_inputs(shape, tokens: int, gen) -> dict:
+    """q, k ``[1, tokens, H, K]``, v ``[1, tokens, HV, V]``, a, b ``[tokens, HV]``: bf16 on the CPU, as
+    SGLang's GDN backend hands them to the verify."""
+    HV, H, K, V = shape.value_heads, shape.key_heads, shape.key_dim, shape.value_dim
+    sizes = {"q": (1, tokens, H, K), "k": (1, tokens, H, K), "v": (1, tokens, HV, V), "a": (tokens, HV), "b": (tokens, HV)}
+    return {name: torch.randn(*size, generator=gen).to(torch.bfloat16) for name, size in sizes.items()}
+
+
 class Case:
     """One (batch, width, accept lengths) problem on one GDN layer: inputs, state pool, buffers."""
 
     def __init__(self, shape, bs, width, lengths, gen, device):
-        HV, H, K, V = shape.value_heads, shape.key_heads, shape.key_dim, shape.value_dim
+        HV, K, V = shape.value_heads, shape.key_dim, shape.value_dim
         tokens = bs * width
         self.width = width
 
         def randn(*size, scale=1.0):
             return torch.randn(*size, generator=gen) * scale
 
-        self.tokens = {name: t.to(device, torch.bfloat16) for name, t in (
-            ("q", randn(1, tokens, H, K)), ("k", randn(1, tokens, H, K)), ("v", randn(1, tokens, HV, V)),
-            ("a", randn(tokens, HV)), ("b", randn(tokens, HV)))}
+        self.tokens = {name: t.to(device) for name, t in random_inputs(shape, tokens, gen).items()}
         self.A_log = torch.log(torch.rand(HV, generator=gen) * 15 + 1).to(device)  # A = exp(A_log) in [1, 16]
         self.dt_bias = randn(HV).to(device, torch.bfloat16)
         slots = 2 * bs + 1
