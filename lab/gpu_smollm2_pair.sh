@@ -12,7 +12,9 @@
 #                                          pools; env IMPLS (plugin-fixed,adaptive) SETS (gsm8k,mt-bench)
 #                                          LEVELS (4) WAVES (96) BUDGET (seconds, 530) NAME (sweep)
 #   bash lab/gpu_smollm2_pair.sh profile   profile_step on the sets' prompts in the chat template; env
-#                                          IMPLS CONC (4) STEPS (40) SET (gsm8k) LIGHT (--light-too) NAME
+#                                          IMPLS CONC (4) STEPS (40) SET (gsm8k, or a comma list: mixed)
+#                                          LIGHT (--light-too) NAME; WAVE=1 one whole wave (with LIGHT=--light:
+#                                          its timeline, any server), EOS=1 requests end at EOS as in the sweeps
 # Results go to $OUT/NAME. Pool them with python -m sglang_dflash.bench.pool.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
@@ -43,6 +45,7 @@ case $mode in
     profile)
         python3 -m sglang_dflash.bench.profile_step --model-path /tmp/smollm2 --draft-model-path /tmp/smol-draft \
             --impls "${IMPLS:-plugin-fixed,adaptive}" --concurrency "${CONC:-4}" --steps "${STEPS:-40}" ${LIGHT---light-too} \
+            $([ "${WAVE:-0}" = 1 ] && echo --wave) $([ "${EOS:-0}" = 1 ] && echo --stop-at-eos) \
             --dataset "${SET:-gsm8k}" --data-dir .bench-eval --max-new-tokens 256 \
             --server-args "$server" --trace-dir /tmp/traces --output-dir "$out/${NAME:-profile}" 2>&1 | tail -40 ;;
     *) echo "gpu_smollm2_pair: unknown mode $mode (stage, sweep or profile)" >&2; exit 2 ;;

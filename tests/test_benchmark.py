@@ -634,6 +634,32 @@ def test_wave_profile_counts_worker_calls():
     assert worker_steps(events) == 4
 
 
+def test_wave_timeline_splits_a_wave_by_scheduler_stage_and_drain():
+    """The GPU's idle time is charged to the stage the host was in; iterations run from one
+    run_batch to the next; the drain comes from the client's send and finish times."""
+    def span(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "user_annotation", "name": "scheduler." + name, "ts": ts, "dur": dur,
+                "pid": 1, "tid": tid}
+    kernel = lambda ts, dur: {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}  # noqa: E731
+    events = [span("run_batch", 0, 10_000), span("process_batch_result", 10_000, 10_000),
+              span("run_batch", 20_000, 5_000), span("process_batch_result", 25_000, 15_000),
+              span("run_batch", 0, 1, tid=2),  # another thread's span: not the loop
+              kernel(2_000, 10_000), kernel(22_000, 8_000), kernel(90_000, 5)]  # the last after the wave
+    results = [RequestResult(ok=True, completion_tokens=n, sent_at=100.0, latency=t)
+               for n, t in ((10, 0.02), (30, 0.04))]
+    timeline = profile_step.wave_timeline(events, results, wall_s=0.04)
+    assert timeline["span_ms"] == 40.0 and timeline["iterations"] == 2
+    assert timeline["gpu_busy_ms"] == 18.0 and timeline["gpu_idle_ms"] == 22.0
+    assert timeline["gpu_idle_while_ms"] == {"process_batch_result": 18.0, "run_batch": 4.0, "(between stages)": 0.0}
+    assert timeline["host_ms"] == {"process_batch_result": 25.0, "run_batch": 15.0}
+    assert [(it["at_ms"], it["loop_ms"], it["gpu_busy_ms"]) for it in timeline["longest_iterations"]] == [
+        (0.0, 20.0, 10.0), (20.0, 20.0, 8.0)]
+    assert timeline["drain"]["mean_in_flight"] == 1.5
+    assert timeline["drain"]["finished_ms"]["100%"] == 40.0
+    assert timeline["drain"]["output_tokens"] == {"min": 10, "median": 20.0, "max": 30}
+    assert profile_step.wave_timeline([kernel(0, 5)], results, 0.04) == {}  # no loop spans: nothing to say
+
+
 def test_the_step_profile_sends_a_cached_sets_prompts_in_the_chat_template(tmp_path, monkeypatch):
     """--dataset: the load cycles the set's prompts as the sweeps render them, not one raw-text prompt."""
     data = tmp_path / "data"
@@ -649,10 +675,14 @@ def test_the_step_profile_sends_a_cached_sets_prompts_in_the_chat_template(tmp_p
             "--output-dir", str(tmp_path / "out")]
     assert profile_step.main(base + ["--dataset", "gsm8k", "--data-dir", str(data), "--dataset-prompts", "4"]) == 0
     assert profile_step.main(base) == 0
-    chat, raw = sent
+    (data / "humaneval.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in "xy"))
+    assert profile_step.main(base + ["--dataset", "gsm8k,humaneval", "--data-dir", str(data), "--stop-at-eos"]) == 0
+    chat, raw, mixed = sent
     assert [p["text"] for p in chat] == ["<m>a", "<m>b", "<m>c", "<m>a"]
     assert chat[0]["sampling_params"] == {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}
     assert [p["text"] for p in raw] == ["Write a long story about a lighthouse keeper and the sea."]
+    assert [p["text"] for p in mixed][:5] == ["<m>a", "<m>x", "<m>b", "<m>y", "<m>c"]  # the sets take turns
+    assert mixed[0]["sampling_params"] == {"max_new_tokens": 256, "temperature": 0, "top_k": 1}  # as the sweeps
 
     batches, stop = [], threading.Event()
 

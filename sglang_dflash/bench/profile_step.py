@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import glob
 import gzip
+import itertools
 import json
 import os
 import re
@@ -247,6 +248,94 @@ def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 2.0, top: int 
     }
 
 
+SCHEDULER_STAGE = "scheduler."  # SGLang's own spans of its loop (recv_requests, run_batch, ...)
+
+
+def wave_timeline(events: list[dict], results: list, wall_s: float, top: int = 8) -> dict:
+    """Where one whole wave's time went, from a light trace and the client's view of it, for any
+    server (plain decoding too): the scheduler loop's iterations (SGLang's ``scheduler.*`` spans on
+    the thread that holds most of them), the host time of each stage, the GPU's busy and idle time
+    over the wave and which stage the host was in while the GPU sat idle, the longest iterations
+    (admissions show there), and how the wave drained (requests still running as time went on)."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    spans = [e for e in complete if e.get("cat") == "user_annotation" and e.get("name", "").startswith(SCHEDULER_STAGE)]
+    per_thread = defaultdict(float)
+    for e in spans:
+        per_thread[(e.get("pid"), e.get("tid"))] += e["dur"]
+    if not per_thread:
+        return {}
+    main = max(per_thread, key=per_thread.get)
+    stages = sorted((e for e in spans if (e.get("pid"), e.get("tid")) == main), key=lambda e: e["ts"])
+    runs = [e for e in stages if e["name"] == SCHEDULER_STAGE + "run_batch"]
+    if not runs:
+        return {}
+    t0, t1 = runs[0]["ts"], max(e["ts"] + e["dur"] for e in stages)
+    busy, _ = gpu_work(complete)
+    busy = [e for e in busy if t0 <= e["ts"] <= t1]
+    ms = lambda us: round(us / 1000, 2)  # noqa: E731
+    host, calls = defaultdict(float), defaultdict(int)
+    for e in stages:
+        host[e["name"][len(SCHEDULER_STAGE):]] += e["dur"]
+        calls[e["name"][len(SCHEDULER_STAGE):]] += 1
+    # GPU idle stretches, each split over the stages the host was in meanwhile
+    idle_while, idle, end = defaultdict(float), 0.0, t0
+    stage_at = 0
+    for e in busy + [{"ts": t1, "dur": 0}]:
+        if e["ts"] > end:
+            lo, hi = end, e["ts"]
+            idle += hi - lo
+            while stage_at < len(stages) and stages[stage_at]["ts"] + stages[stage_at]["dur"] <= lo:
+                stage_at += 1
+            covered = 0.0
+            for st in stages[stage_at:]:
+                if st["ts"] >= hi:
+                    break
+                part = min(hi, st["ts"] + st["dur"]) - max(lo, st["ts"])
+                if part > 0:
+                    idle_while[st["name"][len(SCHEDULER_STAGE):]] += part
+                    covered += part
+            idle_while["(between stages)"] += hi - lo - covered
+        end = max(end, e["ts"] + e["dur"])
+    # iterations: from one run_batch to the next, with their GPU work
+    starts = [r["ts"] for r in runs] + [t1]
+    iters, k = [], 0
+    for i, r in enumerate(runs):
+        gpu_us = 0.0
+        while k < len(busy) and busy[k]["ts"] < starts[i + 1]:
+            gpu_us += busy[k]["dur"]
+            k += 1
+        iters.append({"at_ms": ms(r["ts"] - t0), "loop_ms": ms(starts[i + 1] - r["ts"]),
+                      "run_batch_ms": ms(r["dur"]), "gpu_busy_ms": ms(gpu_us)})
+    loops = sorted(it["loop_ms"] for it in iters)
+    pick = lambda q: loops[min(len(loops) - 1, int(q * len(loops)))]  # noqa: E731
+    out = {
+        "span_ms": ms(t1 - t0),
+        "iterations": len(runs),
+        "loop_ms": {"p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "max": loops[-1]},
+        "host_ms": {k: ms(v) for k, v in sorted(host.items(), key=lambda x: -x[1])},
+        "host_calls": dict(calls),
+        "gpu_busy_ms": ms(sum(e["dur"] for e in busy)),
+        "gpu_idle_ms": ms(idle),
+        "gpu_idle_while_ms": {k: ms(v) for k, v in sorted(idle_while.items(), key=lambda x: -x[1])},
+        "longest_iterations": sorted(iters, key=lambda it: -it["loop_ms"])[:top],
+    }
+    ok = [r for r in results if r.ok]
+    if ok and wall_s > 0:
+        sent = min(r.sent_at for r in ok)
+        done = sorted(r.sent_at - sent + r.latency for r in ok)
+        out["drain"] = {
+            "wall_ms": round(wall_s * 1000, 1),
+            # requests in flight on average: the batch the server saw, over the whole wave
+            "mean_in_flight": round(sum(done) / wall_s, 2),
+            "finished_ms": {f"{q}%": round(done[min(len(done) - 1, int(q / 100 * len(done)))] * 1000, 1)
+                            for q in (10, 50, 90, 100)},
+            "output_tokens": {"min": min(r.completion_tokens for r in ok),
+                              "median": statistics.median(r.completion_tokens for r in ok),
+                              "max": max(r.completion_tokens for r in ok)},
+        }
+    return out
+
+
 # A kernel each decode step runs once: the plugin's block set-up, the built-in's.
 STEP_MARKERS = ("_prepare_block_kernel", "_prepare_dflash_draft_block")
 
@@ -401,9 +490,14 @@ def request_payloads(args) -> list[dict]:
     if args.rig:
         return rig.rig_payloads(1, args.rig_prompt_len, args.max_new_tokens, rig.vocab(args.rig_shape))
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
+    if args.stop_at_eos:  # what the sweeps send: the wave drains as requests end
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "top_k": 1}
     if not args.dataset:
         return [{"text": args.prompt, "sampling_params": params}]
-    texts = chat_texts(args.dataset, args.data_dir, args.dataset_prompts, args.model_path)
+    # several sets: their prompts in turn, so every wave mixes them
+    per_set = [chat_texts(name, args.data_dir, args.dataset_prompts, args.model_path)
+               for name in comma_list(args.dataset)]
+    texts = [t for row in itertools.zip_longest(*per_set) for t in row if t is not None]
     return [{"text": text, "sampling_params": params} for text in texts]
 
 
@@ -440,8 +534,10 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, ligh
     if not traces:
         raise SystemExit(f"{spec.label}: no trace written to {trace_dir}")
     events = load_trace(traces[-1])
+    timeline = wave_timeline(events, results, wall_s) if args.wave and light else {}
     if args.wave and light:  # no Python frames to count: every request of a wave verifies in each step
-        steps = max(1, round(wave["spec_verify_ct"] / concurrency))
+        steps = max(1, round(wave["spec_verify_ct"] / concurrency)) if wave["spec_verify_ct"] else \
+            timeline.get("host_calls", {}).get("run_batch", 1)  # plain decoding: its loop's iterations
     else:
         steps = worker_steps(events) if args.wave else args.steps
     if not steps:
@@ -451,6 +547,7 @@ def profile_level(server: Server, spec: ServerSpec, concurrency: int, args, ligh
         if wave is not None:
             report["wave"] = {k: wave[k] for k in ("requests", "errors", "output_tokens", "spec_verify_ct",
                                                    "accept_length", "wall_s", "output_tok_s")}
+            report["wave_timeline"] = timeline
         return report
     report = {"trace": os.path.basename(traces[-1]), **summarize_trace(events, steps)}
     report["phases_us_per_step"] = phase_table(report)
@@ -480,11 +577,14 @@ def main(argv=None) -> int:
     ap.add_argument("--light-too", action="store_true",
                     help="trace each level both ways on the same server: without stacks (reported as cN-light), "
                          "then with them (cN)")
-    ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (EOS ignored)")
+    ap.add_argument("--max-new-tokens", type=int, default=2048, help="output length of every request (at most, with --stop-at-eos)")
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.",
                     help="the one prompt every request sends, as raw text (unless --dataset)")
-    ap.add_argument("--dataset", help="send this cached set's prompts in turn, in the target's chat template")
-    ap.add_argument("--dataset-prompts", type=int, default=64, help="how many of the set's first prompts to cycle")
+    ap.add_argument("--dataset", help="send this cached set's prompts in turn, in the target's chat template "
+                    "(a comma list: the sets' prompts taking turns)")
+    ap.add_argument("--dataset-prompts", type=int, default=64, help="how many of each set's first prompts to cycle")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="requests end at EOS, as in the sweeps (default: EOS ignored, every request as long)")
     ap.add_argument("--data-dir", default=DEFAULT_DIR, help=f"the prompt cache ({FETCH_COMMAND} fills it)")
     ap.add_argument("--settle-s", type=float, default=8.0,
                     help="steady mode: seconds of load before tracing starts (batch full, caches warm)")
@@ -509,8 +609,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--server-args: {e}")
     if args.dataset is not None:
-        problem = ("--dataset: the rig sends token ids" if args.rig else problem_with_names([args.dataset])
-                   or problem_with_cache([args.dataset], args.data_dir)
+        problem = ("--dataset: the rig sends token ids" if args.rig else problem_with_names(comma_list(args.dataset))
+                   or problem_with_cache(comma_list(args.dataset), args.data_dir)
                    or (None if args.dataset_prompts >= 1 else "--dataset-prompts: at least 1"))
         if problem:
             ap.error(problem)
