@@ -644,6 +644,7 @@ def test_wave_timeline_splits_a_wave_by_scheduler_stage_and_drain():
     events = [span("run_batch", 0, 10_000), span("process_batch_result", 10_000, 10_000),
               span("run_batch", 20_000, 5_000), span("process_batch_result", 25_000, 15_000),
               span("run_batch", 0, 1, tid=2),  # another thread's span: not the loop
+              span("idle", 41_000, 5_000),  # after the last results: the loop waits for the profiler to stop
               kernel(2_000, 10_000), kernel(22_000, 8_000), kernel(90_000, 5)]  # the last after the wave
     results = [RequestResult(ok=True, completion_tokens=n, sent_at=100.0, latency=t)
                for n, t in ((10, 0.02), (30, 0.04))]

@@ -254,7 +254,8 @@ SCHEDULER_STAGE = "scheduler."  # SGLang's own spans of its loop (recv_requests,
 def wave_timeline(events: list[dict], results: list, wall_s: float, top: int = 8) -> dict:
     """Where one whole wave's time went, from a light trace and the client's view of it, for any
     server (plain decoding too): the scheduler loop's iterations (SGLang's ``scheduler.*`` spans on
-    the thread that holds most of them), the host time of each stage, the GPU's busy and idle time
+    the thread that holds most of them) from the first batch run to the last one's results, the host
+    time of each stage, the GPU's busy and idle time
     over the wave and which stage the host was in while the GPU sat idle, the longest iterations
     (admissions show there), and how the wave drained (requests still running as time went on)."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -269,7 +270,12 @@ def wave_timeline(events: list[dict], results: list, wall_s: float, top: int = 8
     runs = [e for e in stages if e["name"] == SCHEDULER_STAGE + "run_batch"]
     if not runs:
         return {}
-    t0, t1 = runs[0]["ts"], max(e["ts"] + e["dur"] for e in stages)
+    # to the last batch's results: the loop idles on afterwards until the profiler stops
+    results_after = [e for e in stages if e["name"] == SCHEDULER_STAGE + "process_batch_result"
+                     and e["ts"] >= runs[-1]["ts"]]
+    t0 = runs[0]["ts"]
+    t1 = max(e["ts"] + e["dur"] for e in results_after + [runs[-1]])
+    stages = [e for e in stages if e["ts"] < t1]
     busy, _ = gpu_work(complete)
     busy = [e for e in busy if t0 <= e["ts"] <= t1]
     ms = lambda us: round(us / 1000, 2)  # noqa: E731
