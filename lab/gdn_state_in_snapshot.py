@@ -94,6 +94,99 @@ class Problem:
         return outputs, buffer[live_row, live_step]
 
 
+class Lifecycle:
+    """The plugin's keeper of the state in the snapshots (``sglang_dflash.gdn_state.SnapshotState``)
+    over a request's life, against SGLang's commit copy: four verifies of changing width and order,
+    a plain step that reads the slots between them, a request that finishes and a new one that takes
+    its table row with a prefilled slot, and a radix track copy."""
+
+    # (kind, requests in batch order, width, accepted tokens a request in that order)
+    STEPS = (("verify", (0, 1, 2), 4, (2, 4, 1)), ("verify", (2, 0, 1), 2, (1, 2, 2)),
+             ("plain", (1, 2), 1, None), ("join", (3,), None, None),
+             ("verify", (3, 2, 1), 3, (3, 1, 2)), ("verify", (1, 3, 2), 4, (4, 1, 3)))
+    ROWS = (1, 2, 3, 1)  # request-table rows: request 3 takes request 0's once it has finished
+    TRACKED = (4, 2, 0, 9)  # at the fifth step, request 2's step 0 goes to track slot 9
+
+    def __init__(self, kernel, shape, seed):
+        gen = torch.Generator().manual_seed(seed)
+        self.kernel, self.shape = kernel, shape
+        HV, K, V = shape.value_heads, shape.key_dim, shape.value_dim
+        self.A_log = torch.log(torch.rand(HV, generator=gen) * 15 + 1)
+        self.dt_bias = torch.randn(HV, generator=gen).to(torch.bfloat16)
+        self.pool0 = torch.randn(10, HV, V, K, generator=gen) * 0.1  # slot 9: the track slot
+        self.slots = torch.tensor([5, 2, 7, 0], dtype=torch.int32)
+        self.prefilled = torch.randn(HV, V, K, generator=gen) * 0.1  # request 3's state after its prefill
+        self.inputs = [random_inputs(shape, len(reqs) * w, gen) if w else None for _, reqs, w, _ in self.STEPS]
+
+    def run(self, step, source, starts, buffer, snapshot_rows, width, n):
+        return self.kernel(A_log=self.A_log, dt_bias=self.dt_bias, **self.inputs[step],
+                           initial_state_source=source, initial_state_indices=starts,
+                           cu_seqlens=torch.arange(0, n * width + 1, width, dtype=torch.int32),
+                           use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
+                           disable_state_update=True, intermediate_states_buffer=buffer,
+                           intermediate_state_indices=snapshot_rows, cache_steps=PITCH).clone()
+
+    def sglang_way(self):
+        pool = self.pool0.clone()
+        buffer = torch.zeros(3, PITCH, *pool.shape[1:])
+        outputs = []
+        for step, (kind, reqs, width, lengths) in enumerate(self.STEPS):
+            slots = self.slots[list(reqs)]
+            positions = torch.arange(len(reqs), dtype=torch.int32)
+            if kind == "join":
+                pool[slots.long()] = self.prefilled
+                continue
+            outputs.append(self.run(step, pool, slots, buffer, positions, width, len(reqs)))
+            last = torch.tensor(lengths) - 1 if lengths else torch.zeros(len(reqs), dtype=torch.long)
+            if self.TRACKED[0] == step:
+                pool[self.TRACKED[3]] = buffer[reqs.index(self.TRACKED[1]), self.TRACKED[2]]
+            pool[slots.long()] = buffer[positions.long(), last]  # the commit copy (a plain step's, in place)
+        return outputs, pool[self.slots[1:].long()], pool[self.TRACKED[3]]
+
+    def kept_in_snapshots(self):
+        from sglang_dflash.gdn_state import SnapshotState
+
+        pool = self.pool0.clone()
+        snapshots = torch.zeros(1, 4, PITCH, *pool.shape[1:])  # one layer; row 0 is no request's
+        keeper = SnapshotState(pool.unsqueeze(0), snapshots, max_bs=4)
+        positional = torch.zeros(3, PITCH, *pool.shape[1:])
+        outputs = []
+        for step, (kind, reqs, width, lengths) in enumerate(self.STEPS):
+            slots = self.slots[list(reqs)]
+            rows = torch.tensor([self.ROWS[r] for r in reqs], dtype=torch.int32)
+            positions = torch.arange(len(reqs), dtype=torch.int32)
+            if kind == "join":
+                pool[slots.long()] = self.prefilled
+                keeper.released(rows)
+                continue
+            if kind == "plain":  # reads the slots: the states go back first, then it runs as in SGLang
+                keeper.to_slots(rows, slots)
+                outputs.append(self.run(step, pool, slots, positional, positions, width, len(reqs)))
+                pool[slots.long()] = positional[positions.long(), 0]
+                continue
+            keeper.before_verify(rows, slots)
+            # SGLang's dispatcher arguments for this layer, as the plugin's wrapper receives them
+            kwargs = keeper.verify_arguments({"ssm_states": pool, "cache_indices": slots,
+                                              "intermediate_states_buffer": snapshots[0],
+                                              "intermediate_state_indices": positions})
+            outputs.append(self.run(step, kwargs["ssm_states"], kwargs["cache_indices"],
+                                    kwargs["intermediate_states_buffer"], kwargs["intermediate_state_indices"],
+                                    width, len(reqs)))
+            keeper.after_verify(rows, torch.tensor(lengths))
+            if self.TRACKED[0] == step:
+                at = reqs.index(self.TRACKED[1])
+                keeper.track(rows[at:at + 1], torch.tensor([self.TRACKED[2]]), torch.tensor([self.TRACKED[3]]))
+        live = self.slots[1:]
+        keeper.to_slots(torch.tensor([self.ROWS[r] for r in (1, 2, 3)], dtype=torch.int32), live)
+        return outputs, pool[live.long()], pool[self.TRACKED[3]]
+
+
+def compare_lifecycle(a, k) -> dict:
+    (out_a, states_a, track_a), (out_k, states_k, track_k) = a, k
+    return {"outputs_equal": all(torch.equal(x, y) for x, y in zip(out_a, out_k)) and len(out_a) == len(out_k),
+            "states_equal": torch.equal(states_a, states_k), "track_equal": torch.equal(track_a, track_k)}
+
+
 def compare(a, e) -> dict:
     (out_a, state_a), (out_e, state_e) = a, e
     return {"first_outputs_equal": torch.equal(out_a[0], out_e[0]),
@@ -118,6 +211,8 @@ def main():
               "kernel_module": module.__name__, "widths": WIDTHS, "accepted": LENGTHS, "second_order": ORDER,
               "rows_follow_requests": compare(reference, problem.state_in_snapshot()),
               "rows_by_batch_position": compare(reference, problem.state_in_snapshot(rows_follow_requests=False))}
+    life = Lifecycle(module.fused_sigmoid_gating_delta_rule_update, CHECK_SHAPE, args.seed)
+    report["plugin_keeper"] = compare_lifecycle(life.sglang_way(), life.kept_in_snapshots())
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     exact = all(report["rows_follow_requests"].values())
@@ -125,6 +220,9 @@ def main():
     if not exact:
         sys.exit(f"gdn_state_in_snapshot: the state kept in the snapshot differs from SGLang's commit copy: "
                  f"{report['rows_follow_requests']}")
+    if not all(report["plugin_keeper"].values()):
+        sys.exit(f"gdn_state_in_snapshot: sglang_dflash.gdn_state over a request's life differs from SGLang's "
+                 f"commit copy: {report['plugin_keeper']}")
     if not clobbered:
         sys.exit("gdn_state_in_snapshot: rows by batch position matched too, so the reordered batch tested nothing")
     print("gdn_state_in_snapshot: outputs and final states bitwise equal to SGLang's commit copy with request "

@@ -48,3 +48,26 @@ def test_a_verify_can_start_from_its_requests_snapshot_row_with_no_commit_copy(t
     report = json.loads(report_path.read_text())
     assert all(report["rows_follow_requests"].values()), report
     assert not report["rows_by_batch_position"]["states_equal"], report  # a reordered batch clobbers them
+    # sglang_dflash.gdn_state over a request's life: plain steps between verifies, a reused row, a track copy
+    assert report["plugin_keeper"] == {"outputs_equal": True, "states_equal": True, "track_equal": True}, report
+
+
+def test_the_state_copy_refuses_pools_it_cannot_copy_between():
+    pytest.importorskip("triton")
+    import torch
+
+    from sglang_dflash.gdn_state import SnapshotState
+    from sglang_dflash.ops.state_copy import copy_states
+
+    pool, index = torch.zeros(2, 5, 3, 4), torch.zeros(2, dtype=torch.int32)
+    for dst, src, why in ((pool, torch.zeros(3, 5, 3, 4), "layers"), (pool, torch.zeros(2, 5, 4, 3), "state shape"),
+                          (pool, torch.zeros(2, 5, 3, 4, dtype=torch.float64), "dtype"),
+                          (pool, torch.zeros(2, 5, 4, 3).transpose(2, 3), "contiguous")):
+        with pytest.raises(ValueError, match=why):
+            copy_states(dst, index, src, index)
+    with pytest.raises(ValueError, match="2 destinations for 3 sources"):
+        copy_states(pool, index, pool, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not match the state pool"):
+        SnapshotState(pool, torch.zeros(2, 4, 2, 3, 5), max_bs=4)
+    keeper = SnapshotState(pool, torch.zeros(2, 4, 2, 3, 4), max_bs=4)
+    assert keeper.flat.shape == (2, 8, 3, 4) and keeper.live_step.tolist() == [-1] * 4
