@@ -36,6 +36,7 @@ import os
 import textwrap
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Optional
 
 SUPPORTED = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
@@ -315,6 +316,61 @@ class SGLangRelease:
         if side is not None and getattr(side, "conv_state", None) is not None:
             return "a short-conv side state (committed by the verify only)"
         return None
+
+    def gdn_snapshot_unserved(self, attn_backend, server_args) -> Optional[str]:
+        """Why the gated-delta-net state cannot stay in the verify's snapshot rows here
+        (:mod:`sglang_dflash.gdn_state`), or None. The rows must be the request table's, the
+        snapshots one contiguous buffer, and nothing but a verify, a plain decode or an extend
+        may read a slot the plugin leaves stale: not the ``no_buffer`` radix cache (it keeps a
+        finished request's working slot), not mixed chunks (an extend of a request that verified)."""
+        linear = getattr(attn_backend, "linear_attn_backend", None)
+        pool = getattr(linear, "req_to_token_pool", None)
+        if pool is None or not hasattr(pool, "get_speculative_mamba2_params_all_layers"):
+            return "the recurrent-state pool is not laid out as SGLang's mamba pool"
+        caches = pool.get_speculative_mamba2_params_all_layers()
+        snapshots = getattr(caches, "intermediate_ssm", None)
+        if snapshots is None:
+            return "the verify keeps no state snapshots (--enable-linear-replayssm-spec)"
+        if snapshots.dim() != caches.temporal.dim() + 1 or not snapshots.is_contiguous():
+            return "the snapshot buffer is not one [layers, rows, steps, *state] tensor"
+        if snapshots.shape[1] != pool.size + 1:
+            return f"{snapshots.shape[1]} snapshot rows for {pool.size} request rows"
+        side = getattr(pool, "short_conv_pool", None)
+        if side is not None and getattr(side, "conv_state", None) is not None:
+            return "a short-conv side state (committed by the verify only)"
+        args = self.resolving(server_args)
+        if not getattr(args, "disable_radix_cache", False) and \
+                getattr(args, "mamba_radix_cache_strategy", "no_buffer") in (None, "no_buffer"):
+            return "the no_buffer radix cache keeps a finished request's working slot: use extra_buffer"
+        if getattr(args, "enable_mixed_chunk", False):
+            return "--enable-mixed-chunk (an extend of a request that already verified)"
+        return None
+
+    def gdn_snapshot_parts(self, attn_backend) -> tuple:
+        """SGLang's state pool and its verify snapshots."""
+        caches = attn_backend.linear_attn_backend.req_to_token_pool.get_speculative_mamba2_params_all_layers()
+        return caches.temporal, caches.intermediate_ssm
+
+    def mamba_slots(self, linear, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """The state slots of these request rows, as the kernels address them."""
+        return self.physical_slots(linear, linear.req_to_token_pool.get_mamba_indices(req_pool_indices))
+
+    def physical_slots(self, linear, slots: torch.Tensor) -> torch.Tensor:
+        """State slots as the kernels address them (SGLang's ids are virtual under unified memory)."""
+        return linear._translate_mamba_indices(slots)
+
+    def commit_conv_states(self, linear, last_steps: torch.Tensor, track: Optional[torch.Tensor],
+                           steps_to_track: Optional[torch.Tensor]) -> None:
+        """SGLang's verify commit of the convolution windows alone (the SSM state stays in the
+        snapshots): its scatter skips a state pool with no elements. ``track``: physical slots."""
+        from sglang.kernels.ops.mamba.mamba_state_scatter_triton import scatter_mamba_states_after_mtp_verify
+
+        caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
+        conv_only = SimpleNamespace(temporal=caches.temporal.new_empty(0), intermediate_ssm=caches.intermediate_ssm,
+                                    conv=caches.conv, intermediate_conv_window=caches.intermediate_conv_window)
+        rows = last_steps.shape[0]
+        scatter_mamba_states_after_mtp_verify(conv_only, linear.forward_metadata.mamba_cache_indices[:rows],
+                                              last_steps, track, steps_to_track)
 
     def track_decoded_state(self, attn_backend, track_mask, track_indices) -> None:
         """Copy the recurrent state a DECODE left in each request's slot into its track slot, for
@@ -596,6 +652,12 @@ class SGLangRelease:
                    ("conv_states_pool", "ssm_states_pool", "cache_indices", "mamba_track_mask", "mamba_track_indices",
                     "batch_size", "check_freed_slots")),
             Symbol("sglang.srt.layers.attention.hybrid_linear_attn_backend", "MambaAttnBackendBase._translate_mamba_indices"),
+            # SGLANG_DFLASH_GDN_STATE=snapshot: the verify redirected, the conv windows committed alone
+            Symbol("sglang.srt.layers.attention.linear.gdn_backend", "GDNKernelDispatcher.target_verify",
+                   ("ssm_states", "cache_indices")),
+            Symbol("sglang.kernels.ops.mamba.mamba_state_scatter_triton", "scatter_mamba_states_after_mtp_verify",
+                   ("mamba_caches", "state_indices_tensor", "last_correct_step_indices", "mamba_track_indices",
+                    "mamba_steps_to_track")),
         ]
         if self.has("declared_resolution"):
             syms += [

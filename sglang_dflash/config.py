@@ -760,4 +760,7 @@ def validate_server_args(server_args, release) -> tuple[DFlashDraftConfig, Targe
                                                 "--speculative-draft-window-size")
     verify_widths(config.block_size)  # the experimental switches, checked before any process starts
     width_policy_kind()
+    from .gdn_state import keeps_state_in_snapshots
+
+    keeps_state_in_snapshots()
     return config, target

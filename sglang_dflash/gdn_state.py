@@ -23,11 +23,50 @@ The convolution state keeps SGLang's commit: its kernel writes the slot in place
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .ops.state_copy import copy_states
 
 NOT_IN_SNAPSHOT = -1
+GDN_STATE_ENV = "SGLANG_DFLASH_GDN_STATE"  # "snapshot": keep the state there; "commit" (default): SGLang's copy
+
+
+def keeps_state_in_snapshots() -> bool:
+    """Whether the gated-delta-net state stays in the snapshot rows (not yet the default: its
+    GPU checks are to come). Checked with the other switches before any process starts."""
+    from .config import DFlashConfigError
+
+    mode = os.environ.get(GDN_STATE_ENV, "commit").strip().lower()
+    if mode not in ("commit", "snapshot"):
+        raise DFlashConfigError(GDN_STATE_ENV, f"{mode!r} is not 'commit' or 'snapshot'")
+    return mode == "snapshot"
+
+
+# Keepers by the address of the snapshot buffer their verify writes: the redirect only touches
+# the verifies of a server that keeps its state there.
+_KEEPERS: dict[int, "SnapshotState"] = {}
+
+
+def install_verify_redirect(keeper: "SnapshotState", dispatcher_class) -> None:
+    """Wrap ``dispatcher_class.target_verify`` (SGLang's ``GDNKernelDispatcher``) once, so each
+    verify that writes ``keeper``'s snapshots starts from them (:meth:`SnapshotState.verify_arguments`).
+    Installed before the target's verify graphs are captured: they keep the keeper's buffers."""
+    _KEEPERS[keeper.flat.untyped_storage().data_ptr()] = keeper
+    if getattr(dispatcher_class.target_verify, "dflash_redirect", False):
+        return
+    original = dispatcher_class.target_verify
+
+    def target_verify(self, *args, **kwargs):
+        buffer = kwargs.get("intermediate_states_buffer")
+        found = None if buffer is None else _KEEPERS.get(buffer.untyped_storage().data_ptr())
+        if found is not None and kwargs.get("retrieve_parent_token") is None:  # a chain, not a tree
+            kwargs = found.verify_arguments(kwargs)
+        return original(self, *args, **kwargs)
+
+    target_verify.dflash_redirect = True
+    dispatcher_class.target_verify = target_verify
 
 
 class SnapshotState:
@@ -68,6 +107,8 @@ class SnapshotState:
         """SGLang's verify keyword arguments for one layer, the start states and snapshots moved to
         the request rows: the source is that layer's snapshot buffer itself."""
         n = kwargs["cache_indices"].shape[0]
+        if n > self.start_index.shape[0]:
+            raise RuntimeError(f"a verify of {n} requests, past the {self.start_index.shape[0]} kept for")
         return {**kwargs, "ssm_states": kwargs["intermediate_states_buffer"].flatten(0, 1),
                 "cache_indices": self.start_index[:n], "intermediate_state_indices": self.rows[:n]}
 

@@ -453,3 +453,11 @@ def speculative_generate(
         out, done = truncate_at_stop(out + acc.out_tokens[0, :n].tolist(), stop_ids, max_new_tokens)
     result.tokens = out
     return result
+
+
+def copy_states(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor) -> None:
+    """:func:`sglang_dflash.ops.state_copy.copy_states` in torch: ``dst[l, dst_index[i]] =
+    src[l, src_index[i]]`` for every layer, skipping entries with either index below 0."""
+    keep = (dst_index >= 0) & (src_index >= 0)
+    dst[:, dst_index[keep].long()] = src[:, src_index[keep].long()]
+

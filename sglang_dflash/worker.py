@@ -77,6 +77,7 @@ from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
 from .draft_input import bulk_prepare_serves, draft_input_class, length_sets_report, make_draft_input
 from .fallback import make_fallback
+from .gdn_state import SnapshotState, install_verify_redirect, keeps_state_in_snapshots
 from .host_pauses import StepStalls, admission_phase, call_shape, host_phase, policy_time, process_pauses
 from .ops import accept_block, load_accept_block, prepare_block
 from .ops.ragged import RaggedLanes
@@ -133,6 +134,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
     # Requests prefilled since the last decode step: the width policy hears of them there. On the
     # class too, as unknown names go to the target worker (``__getattr__``).
     joined = 0
+    # Hybrid GDN targets: each request's SSM state kept in the verify's snapshot rows (gdn_state)
+    gdn_state: Optional[SnapshotState] = None
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
         super().__init__()  # ``ps`` (parallel state) comes up to SGLang 0.5.20 only
@@ -320,12 +323,30 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self._fix_the_block("not with FlashInfer's gated-delta-net verify: untested below the block's width")
         if self.ragged:  # before the target captures its verify graphs
             self.release.enable_ragged_verify(self.model_runner.attn_backend)
+        if self.hybrid_gdn and keeps_state_in_snapshots():  # before the target captures its verify graphs
+            self._keep_state_in_snapshots()
         self._draft_worker.init_attention_backends()
         # Before either captures its graphs; the narrower widths' backends are routed as built.
         routed = [route_block_attention(mr.attn_backend) for mr in (self.model_runner, self.draft_model_runner)]
         if any(routed) and get_parallel().tp_rank == 0:
             logger.info("DFLASH block attention: the %s on the plugin's block kernel",
                         " and ".join(n for n, r in zip(("target's verify", "draft"), routed) if r))
+
+    def _keep_state_in_snapshots(self) -> None:
+        """Keep each request's GDN state in the verify's snapshot rows (:mod:`sglang_dflash.gdn_state`),
+        or say in one line why SGLang's commit copy stays."""
+        backend = self.model_runner.attn_backend
+        why = ("FlashInfer's gated-delta-net verify" if flashinfer_linear_verify(backend) else
+               "the ragged verify" if self.ragged else self.release.gdn_snapshot_unserved(backend, self.server_args))
+        if why is None:
+            from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+
+            temporal, snapshots = self.release.gdn_snapshot_parts(backend)
+            self.gdn_state = SnapshotState(temporal, snapshots, max_bs=max(snapshots.shape[1], 1024))
+            install_verify_redirect(self.gdn_state, GDNKernelDispatcher)
+        if get_parallel().tp_rank == 0:
+            logger.info("DFLASH gated-delta-net state between verifies: %s",
+                        "in the verify's snapshot rows" if why is None else f"SGLang's commit copy ({why})")
 
     def init_cuda_graphs(self):
         graphs = get_exec().graph.cuda_graph_config.decode
@@ -554,6 +575,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         """Target prefill with the tapped hidden states; writes draft context for every prompt token."""
         self.output_counts.start(batch.reqs)
         result = self.target_prefill(batch)
+        if self.gdn_state is not None:  # the extend wrote these rows' states into their slots
+            self.gdn_state.released(batch.req_pool_indices)
         self.prefills += 1
         self.prefills_in_graphs += bool(getattr(result, "can_run_cuda_graph", False))
         self.joined += len(batch.reqs)
@@ -697,6 +720,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         batch.seq_lens_cpu, batch.seq_lens_sum = block.seq_lens_bound, int(block.seq_lens_bound.sum())
         forward_batch, _ = verify_input.prepare_for_verify(batch, self._target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        if self.gdn_state is not None:
+            self.gdn_state.before_verify(batch.req_pool_indices, self.gdn_slots(batch))
         out = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
@@ -746,6 +771,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         saved = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info
         if self.hybrid:  # no tracking inside the forward; the track slots only where a boundary is near
             self.prepare_decode_track(batch)
+        if self.gdn_state is not None:  # the DECODE reads and advances the slots
+            self.gdn_state.to_slots(batch.req_pool_indices, self.gdn_slots(batch))
         batch.input_ids, batch.forward_mode, batch.spec_info = block.candidates[:, 0], ForwardMode.DECODE, None
         batch.out_cache_loc = block.cache_loc.view(-1)
         batch.seq_lens = block.decoded_lens = batch.seq_lens + 1  # also the step's new lengths (accept_decoded)
@@ -869,6 +896,16 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                                                self.release.mamba_track_interval(batch))
             self.verify_track["scattered"] += 1
         backend = self.width_pairs[width][0] if width in self.width_pairs else self.model_runner.attn_backend
+        if self.gdn_state is not None:  # the SSM state stays where the verify wrote it
+            last = accepted.commit_len.to(torch.int64) - 1
+            linear = backend.linear_attn_backend
+            if track is not None:
+                track = self.release.physical_slots(linear, track)
+            self.release.commit_conv_states(linear, last, track, steps_to_track)
+            self.gdn_state.after_verify(batch.req_pool_indices, accepted.commit_len)
+            if track is not None:
+                self.gdn_state.track(batch.req_pool_indices, steps_to_track, track)
+            return
         backend.update_mamba_state_after_mtp_verify(
             last_correct_step_indices=accepted.commit_len.to(torch.int64) - 1,
             mamba_track_indices=track,
@@ -876,6 +913,10 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             model=self.model_runner.model,
             req_pool_indices=batch.req_pool_indices,
         )
+
+    def gdn_slots(self, batch) -> torch.Tensor:
+        """The batch's recurrent-state slots, as the kernels address them."""
+        return self.release.mamba_slots(self.model_runner.attn_backend.linear_attn_backend, batch.req_pool_indices)
 
     @host_phase("state")
     def track_decoded_state(self, batch) -> None:

@@ -1472,7 +1472,7 @@ def test_a_hybrid_whose_linear_layers_verify_on_flashinfer_keeps_the_block(monke
     monkeypatch.delenv("SGLANG_DFLASH_WIDTHS", raising=False)
     for backend, widths in ((triton_verify, (16, 8, 4, 2, 1)), (flashinfer, (16,))):
         worker = object.__new__(DFlashWorker)
-        worker.hybrid, worker.ragged, worker.block_size = True, False, 16
+        worker.hybrid, worker.hybrid_gdn, worker.ragged, worker.block_size = True, True, False, 16
         worker.widths, worker.width_policy, worker.fallback = (16, 8, 4, 2, 1), SimpleNamespace(), None
         worker.model_runner = SimpleNamespace(attn_backend=backend)
         worker.draft_model_runner = SimpleNamespace(attn_backend=None)

@@ -58,6 +58,10 @@ IMPLEMENTATIONS = {
     # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, 2026-11-29).
     "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),
+    # The default on a gated-delta-net hybrid with each request's state kept in the verify's snapshot
+    # rows, no commit copy (sglang_dflash/gdn_state.py; A/B of SGLANG_DFLASH_GDN_STATE's default).
+    "adaptive-snapshot": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                                  "SGLANG_DFLASH_GDN_STATE": "snapshot"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
     "adaptive-ragged": (["--speculative-algorithm", "DFLASH"],
                         {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto", "SGLANG_DFLASH_RAGGED": "1"}),
