@@ -415,6 +415,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if self.hybrid:
             info["decode_track"], info["verify_track"] = dict(self.decode_track), dict(self.verify_track)
             info["width_one_step"] = self.width_one_step
+            info["gdn_state"] = "commit" if self.gdn_state is None else "snapshot"  # where the SSM state waits
         # lm_heads of TARGET_VERIFY forwards written in the model's dtype (CUDA-graph captures count once)
         info["half_verify_logits"] = None if self.half_logits is None else self.half_logits.verifies
         if self.draft_head is not None and self.draft_head.rows_read is not None:

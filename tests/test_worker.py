@@ -752,7 +752,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
                                "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7,
                                "decode_track": {"skipped": 5, "prepared": 1}, "verify_track": {"skipped": 3},
-                               "width_one_step": "a DECODE"}
+                               "width_one_step": "a DECODE", "gdn_state": "commit"}
     assert state["avg_spec_accept_length"] == 1.5
     worker.width_policy, worker.widths = None, (16,)
     worker.draft_head.rows_read = worker.draft_head.vocab = worker.half_logits = None
@@ -760,7 +760,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
     fixed.pop("length_sets", None)
     assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
-    assert fixed.pop("verify_track") == {"skipped": 3}
+    assert fixed.pop("verify_track") == {"skipped": 3} and fixed.pop("gdn_state") == "commit"
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
                                                   "eager_drafts": 1, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
