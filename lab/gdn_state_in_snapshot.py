@@ -18,11 +18,15 @@ lengths, the batch reordered and the width changed between them:
     E  state in the snapshot: request rows, start index row * pitch + accepted step, no copy
     E' the same with rows by batch position (expected to differ: why rows must follow requests)
 
-Outputs of both verifies and each request's final state must be the same bits in A and E.
+Outputs of both verifies and each request's final state must be the same bits in A and E. Then
+the plugin's keeper (``sglang_dflash.gdn_state.SnapshotState``, its copy kernel included) over a
+request's life (``Lifecycle``): four verifies of changing width and order, a plain step that reads
+the slots between them, a request that finishes and one that takes its row, a track copy, against A.
 
     TRITON_INTERPRET=1 python3 -m lab.gdn_state_in_snapshot /tmp/x.json     # CPU: Triton's interpreter
 
-Exits 1 with one line if E differs from A, or if E' does not (then the check could not have failed).
+Exits 1 with one line if E or the keeper differs from A, or if E' does not (then the check could not
+have failed).
 Supports SGLang 0.5.23 and 0.5.17.
 """
 
