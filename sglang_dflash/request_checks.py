@@ -63,7 +63,7 @@ def session_problem(obj, model_config) -> Optional[str]:
 
     from .gdn_state import GDN_STATE_ENV, keeps_state_in_snapshots
 
-    if hybrid_gdn_config(model_config) is not None and keeps_state_in_snapshots():
+    if keeps_state_in_snapshots() and hybrid_gdn_config(model_config) is not None:  # the switch: checked at start
         return f"Streaming sessions are not served with {GDN_STATE_ENV}=snapshot on this target; unset it to serve them."
     return None
 
