@@ -333,6 +333,8 @@ class SGLangRelease:
             return "the verify keeps no state snapshots (--enable-linear-replayssm-spec)"
         if snapshots.dim() != caches.temporal.dim() + 1 or not snapshots.is_contiguous():
             return "the snapshot buffer is not one [layers, rows, steps, *state] tensor"
+        if caches.temporal.numel() == 0 or not caches.temporal[0, 0].is_contiguous():
+            return "a slot's state is not one contiguous block (the state copy reads it whole)"
         if snapshots.shape[1] != pool.size + 1:
             return f"{snapshots.shape[1]} snapshot rows for {pool.size} request rows"
         side = getattr(pool, "short_conv_pool", None)

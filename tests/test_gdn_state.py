@@ -62,6 +62,9 @@ def test_the_state_stays_in_the_snapshots_only_where_nothing_else_reads_a_stale_
     assert "replayssm" in release.gdn_snapshot_unserved(fake_backend(snapshots=False)[0], args())
     assert release.gdn_snapshot_unserved(fake_backend(rows=5)[0], args()) == "5 snapshot rows for 3 request rows"
     assert "short-conv" in release.gdn_snapshot_unserved(fake_backend(side_conv=True)[0], args())
+    strided, caches = fake_backend()
+    caches.temporal = torch.zeros(2, 6, 4, 3).transpose(2, 3)
+    assert "not one contiguous block" in release.gdn_snapshot_unserved(strided, args())
     assert "no_buffer" in release.gdn_snapshot_unserved(backend, args(strategy="no_buffer"))
     assert release.gdn_snapshot_unserved(backend, args(radix=False, strategy="no_buffer")) is None
     assert "mixed-chunk" in release.gdn_snapshot_unserved(backend, args(radix=False, mixed=True))
