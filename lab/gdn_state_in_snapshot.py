@@ -45,6 +45,17 @@ LENGTHS = ((2, 4, 1), (1, 2, 2))  # accepted tokens a request (bonus included), 
 ORDER = (2, 0, 1)  # the second verify's batch: request 2, then 0, then 1
 
 
+def run_verify(problem, inputs, source, starts, buffer, rows, width, n):
+    """SGLang's verify kernel over ``n`` requests of ``width`` tokens, with ``problem``'s gates:
+    start states from ``source`` at ``starts``, snapshots into ``buffer`` at ``rows``; the outputs."""
+    return problem.kernel(A_log=problem.A_log, dt_bias=problem.dt_bias, **inputs,
+                          initial_state_source=source, initial_state_indices=starts,
+                          cu_seqlens=torch.arange(0, n * width + 1, width, dtype=torch.int32),
+                          use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
+                          disable_state_update=True, intermediate_states_buffer=buffer,
+                          intermediate_state_indices=rows, cache_steps=PITCH)
+
+
 class Problem:
     def __init__(self, kernel, shape, seed):
         gen = torch.Generator().manual_seed(seed)
@@ -60,13 +71,7 @@ class Problem:
 
     def verify(self, step, source, starts, buffer, rows):
         """One verify of ``self.bs`` requests at ``WIDTHS[step]``: outputs; snapshots into ``buffer``."""
-        width = WIDTHS[step]
-        return self.kernel(A_log=self.A_log, dt_bias=self.dt_bias, **self.inputs[step],
-                           initial_state_source=source, initial_state_indices=starts,
-                           cu_seqlens=torch.arange(0, self.bs * width + 1, width, dtype=torch.int32),
-                           use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
-                           disable_state_update=True, intermediate_states_buffer=buffer,
-                           intermediate_state_indices=rows, cache_steps=PITCH)
+        return run_verify(self, self.inputs[step], source, starts, buffer, rows, WIDTHS[step], self.bs)
 
     def sglang_way(self):
         """A: outputs of both verifies and each request's final state (request order)."""
@@ -123,12 +128,7 @@ class Lifecycle:
         self.inputs = [random_inputs(shape, len(reqs) * w, gen) if w else None for _, reqs, w, _ in self.STEPS]
 
     def run(self, step, source, starts, buffer, snapshot_rows, width, n):
-        return self.kernel(A_log=self.A_log, dt_bias=self.dt_bias, **self.inputs[step],
-                           initial_state_source=source, initial_state_indices=starts,
-                           cu_seqlens=torch.arange(0, n * width + 1, width, dtype=torch.int32),
-                           use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
-                           disable_state_update=True, intermediate_states_buffer=buffer,
-                           intermediate_state_indices=snapshot_rows, cache_steps=PITCH).clone()
+        return run_verify(self, self.inputs[step], source, starts, buffer, snapshot_rows, width, n).clone()
 
     def sglang_way(self):
         pool = self.pool0.clone()
