@@ -95,8 +95,7 @@ class SnapshotState:
         rows = rows.long()
         live = self.live_step[rows]
         copy_states(self.flat, torch.where(live < 0, rows * self.pitch, -1), self.temporal, slots)
-        live = live.clamp(min=0)
-        self.live_step[rows] = live
+        live = live.clamp(min=0)  # live_step itself is set by after_verify, which follows every verify
         n = rows.shape[0]
         self.start_index[:n] = rows * self.pitch + live
         self.start_index[n:] = -1
