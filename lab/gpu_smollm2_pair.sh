@@ -11,6 +11,7 @@
 #   bash lab/gpu_smollm2_pair.sh sweep     interleaved sweep, pinned, servers started together on fixed KV
 #                                          pools; env IMPLS (plugin-fixed,adaptive) SETS (gsm8k,mt-bench)
 #                                          LEVELS (4) WAVES (96) BUDGET (seconds, 530) NAME (sweep)
+#                                          PROMPTS (16: the first N of each set, cycled within a wave)
 #   bash lab/gpu_smollm2_pair.sh profile   profile_step on the sets' prompts in the chat template; env
 #                                          IMPLS CONC (4) STEPS (40) SET (gsm8k, or a comma list: mixed)
 #                                          LIGHT (--light-too) NAME; WAVE=1 one whole wave (with LIGHT=--light:
@@ -39,7 +40,7 @@ case $mode in
     sweep)
         python3 -m sglang_dflash.bench.sweep --model-path /tmp/smollm2 --draft-model-path /tmp/smol-draft \
             --impls "${IMPLS:-plugin-fixed,adaptive}" --interleave --start-together --pin-cpus \
-            --datasets "${SETS:-gsm8k,mt-bench}" --data-dir .bench-eval --num-prompts 16 --max-new-tokens 256 \
+            --datasets "${SETS:-gsm8k,mt-bench}" --data-dir .bench-eval --num-prompts "${PROMPTS:-16}" --max-new-tokens 256 \
             --concurrencies "${LEVELS:-4}" --waves "${WAVES:-96}" --time-budget "${BUDGET:-530}" \
             --server-args "$server" --output-dir "$out/${NAME:-sweep}" 2>&1 | grep -vE "it/s\]|s/it\]" | tail -60 ;;
     profile)
