@@ -12,6 +12,7 @@
 #                                          pools; env IMPLS (plugin-fixed,adaptive) SETS (gsm8k,mt-bench)
 #                                          LEVELS (4) WAVES (96) BUDGET (seconds, 530) NAME (sweep)
 #                                          PROMPTS (16: the first N of each set, cycled within a wave)
+#                                          NEW_TOKENS (256; sweep and profile: each request's output limit)
 #   bash lab/gpu_smollm2_pair.sh profile   profile_step on the sets' prompts in the chat template; env
 #                                          IMPLS CONC (4) STEPS (40) SET (gsm8k, or a comma list: mixed)
 #                                          LIGHT (--light-too) NAME; WAVE=1 one whole wave (with LIGHT=--light:
@@ -40,14 +41,14 @@ case $mode in
     sweep)
         python3 -m sglang_dflash.bench.sweep --model-path /tmp/smollm2 --draft-model-path /tmp/smol-draft \
             --impls "${IMPLS:-plugin-fixed,adaptive}" --interleave --start-together --pin-cpus \
-            --datasets "${SETS:-gsm8k,mt-bench}" --data-dir .bench-eval --num-prompts "${PROMPTS:-16}" --max-new-tokens 256 \
+            --datasets "${SETS:-gsm8k,mt-bench}" --data-dir .bench-eval --num-prompts "${PROMPTS:-16}" --max-new-tokens "${NEW_TOKENS:-256}" \
             --concurrencies "${LEVELS:-4}" --waves "${WAVES:-96}" --time-budget "${BUDGET:-530}" \
             --server-args "$server" --output-dir "$out/${NAME:-sweep}" 2>&1 | grep -vE "it/s\]|s/it\]" | tail -60 ;;
     profile)
         python3 -m sglang_dflash.bench.profile_step --model-path /tmp/smollm2 --draft-model-path /tmp/smol-draft \
             --impls "${IMPLS:-plugin-fixed,adaptive}" --concurrency "${CONC:-4}" --steps "${STEPS:-40}" ${LIGHT---light-too} \
             $([ "${WAVE:-0}" = 1 ] && echo --wave) $([ "${EOS:-0}" = 1 ] && echo --stop-at-eos) \
-            --dataset "${SET:-gsm8k}" --data-dir .bench-eval --max-new-tokens 256 \
+            --dataset "${SET:-gsm8k}" --data-dir .bench-eval --max-new-tokens "${NEW_TOKENS:-256}" \
             --server-args "$server" --trace-dir /tmp/traces --output-dir "$out/${NAME:-profile}" 2>&1 | tail -40 ;;
     *) echo "gpu_smollm2_pair: unknown mode $mode (stage, sweep or profile)" >&2; exit 2 ;;
 esac
