@@ -121,7 +121,10 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def route_block_attention(backend) -> bool:
     """Route ``backend``'s TARGET_VERIFY attention to the block kernel; False where it cannot be
-    (neither a Triton nor a FlashInfer backend, pages over one token, ``SGLANG_DFLASH_BLOCK_ATTENTION=0``)."""
+    (neither a Triton nor a FlashInfer backend, pages over one token, ``SGLANG_DFLASH_BLOCK_ATTENTION=0``).
+    A hybrid target's wrapper is routed through its full-attention backend, which its attention
+    layers call by attribute (``HybridLinearAttnBackend.forward_extend``, 0.5.17-0.5.23)."""
+    backend = getattr(backend, "full_attn_backend", backend)
     if getattr(backend, "_dflash_block_route", False):
         return True
     if not block_attention_kernel() or getattr(backend, "page_size", 1) != 1:

@@ -106,6 +106,32 @@ def test_backends_the_kernel_cannot_serve_are_left_alone(kernel_calls, monkeypat
     assert kernel_calls == [] and backend.sglang_calls == [True]
 
 
+class HybridLinearAttnBackend:
+    """A hybrid target's wrapper as SGLang 0.5.17-0.5.23 build it: attention layers go to the full
+    backend by attribute, the others to the linear one."""
+
+    def __init__(self, full):
+        self.full_attn_backend = full
+        self.linear_calls = 0
+
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        if getattr(layer, "linear", False):
+            self.linear_calls += 1
+            return None
+        return self.full_attn_backend.forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+
+
+def test_a_hybrid_targets_attention_layers_take_the_block_kernel(kernel_calls):
+    full = TritonAttnBackend()
+    wrapper = HybridLinearAttnBackend(full)
+    assert route.route_block_attention(wrapper)
+    _forward(wrapper)
+    assert len(kernel_calls) == 1 and full.sglang_calls == []
+    assert route.route_block_attention(wrapper) and route.ROUTE.backends == 1  # routed once
+    _forward(wrapper, verify=False)  # a prefill keeps SGLang's kernel
+    assert full.sglang_calls == [True] and len(kernel_calls) == 1
+
+
 class TableTritonBackend(TritonAttnBackend):
     """SGLang's Triton backend as 0.5.17-0.5.23 build it: a request table, the replay set-up."""
 

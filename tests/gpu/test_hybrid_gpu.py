@@ -22,7 +22,7 @@ import sys
 from functools import lru_cache
 
 import pytest
-from test_server_gpu import COMMON, MAX_TIE_RATE, RESULTS, ROOT, calibrate, divergence, greedy, ids, save
+from test_server_gpu import BACKEND, COMMON, MAX_TIE_RATE, RESULTS, ROOT, calibrate, divergence, greedy, ids, save
 
 from sglang_dflash.bench.client import kv_loads, run_requests, server_info
 from sglang_dflash.bench.server import Server, ServerSpec
@@ -106,7 +106,7 @@ def serve(name, server):
     out["state_pool_after"], out["widths_used"] = dflash.get("state_pool"), dflash.get("widths_used")
     out["draft_kv"], out["verify_track"], out["decode_track"] = (dflash.get(k) for k in ("draft_kv", "verify_track",
                                                                                        "decode_track"))
-    out["gdn_state"] = dflash.get("gdn_state")
+    out["gdn_state"], out["block_attention"] = dflash.get("gdn_state"), dflash.get("block_attention")
     return out
 
 
@@ -158,7 +158,7 @@ def against_ar():
 def served_figures(out):
     """What a run's server reported of itself after the workloads."""
     return {k: out.get(k) for k in ("accept_length", "loads_after", "state_pool_after", "widths_used", "draft_kv",
-                                    "verify_track", "decode_track", "gdn_state")}
+                                    "verify_track", "decode_track", "gdn_state", "block_attention")}
 
 
 def evidence_name(name, part=""):
@@ -187,6 +187,8 @@ def test_hybrid_greedy_and_long_prompts_match_ar_up_to_near_ties(name):
     if switching:  # every width verified, the recurrent state committed at each
         assert set(rep["widths_used"] or {}) == {"16", "8", "4", "2", "1"}, rep["widths_used"]
     assert rep["gdn_state"] == ("snapshot" if name == "plugin_snapshot" else "commit"), rep["gdn_state"]
+    if BACKEND == "triton":  # the target's verify went to the block kernel too, through the hybrid wrapper
+        assert (rep["block_attention"] or {}).get("backends", 0) >= 2, rep["block_attention"]
     if name == "plugin_track_skip":  # both kinds of step skipped the track scatter, and both ran it
         for counts in (rep["verify_track"], rep["decode_track"]):
             assert min(counts.get("skipped", 0), counts.get("scattered", counts.get("prepared", 0))) > 0, rep
