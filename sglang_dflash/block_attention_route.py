@@ -123,8 +123,10 @@ def route_block_attention(backend) -> bool:
     """Route ``backend``'s TARGET_VERIFY attention to the block kernel; False where it cannot be
     (neither a Triton nor a FlashInfer backend, pages over one token, ``SGLANG_DFLASH_BLOCK_ATTENTION=0``).
     A hybrid target's wrapper is routed through its full-attention backend, which its attention
-    layers call by attribute (``HybridLinearAttnBackend.forward_extend``, 0.5.17-0.5.23)."""
-    backend = getattr(backend, "full_attn_backend", backend)
+    layers call by attribute (``HybridLinearAttnBackend.forward_extend``, 0.5.17-0.5.23): Triton
+    only, the one checked lossless on a GPU behind the wrapper."""
+    wrapped = getattr(backend, "full_attn_backend", None)
+    backend = backend if wrapped is None else wrapped
     if getattr(backend, "_dflash_block_route", False):
         return True
     if not block_attention_kernel() or getattr(backend, "page_size", 1) != 1:
@@ -132,7 +134,8 @@ def route_block_attention(backend) -> bool:
     family = {c.__name__ for c in type(backend).__mro__}
     if "TritonAttnBackend" in family and hasattr(backend, "extend_attention_fwd"):
         routed = _route_triton(backend)
-    elif "FlashInferAttnBackend" in family and hasattr(backend, "_get_wrapper_idx") and table_holds_slots(backend):
+    elif (wrapped is None and "FlashInferAttnBackend" in family and hasattr(backend, "_get_wrapper_idx")
+          and table_holds_slots(backend)):
         routed = _route_flashinfer(backend)
     else:
         return False

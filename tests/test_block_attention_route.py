@@ -132,6 +132,14 @@ def test_a_hybrid_targets_attention_layers_take_the_block_kernel(kernel_calls):
     assert full.sglang_calls == [True] and len(kernel_calls) == 1
 
 
+def test_a_hybrid_targets_flashinfer_attention_is_left_to_sglang(monkeypatch):
+    """Behind the hybrid wrapper only Triton has run lossless on a GPU."""
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    full = FlashInferAttnBackend()
+    assert route.route_block_attention(full)
+    assert not route.route_block_attention(HybridLinearAttnBackend(FlashInferAttnBackend()))
+
+
 class TableTritonBackend(TritonAttnBackend):
     """SGLang's Triton backend as 0.5.17-0.5.23 build it: a request table, the replay set-up."""
 
