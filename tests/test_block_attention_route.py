@@ -415,6 +415,17 @@ def _method(source: str, name: str) -> str:
     return body[: body.index("\n    def ", 10)]
 
 
+def test_sglang_hybrid_wrapper_reaches_its_full_attention_backend_by_attribute():
+    """The installed SGLang's hybrid wrapper calls its full-attention backend's ``forward_extend``
+    and replay set-up on the instance each time, so what the route puts there is what runs."""
+    source = _sglang_backend_source("hybrid_linear_attn_backend")
+    wrapper = source[source.index("class HybridLinearAttnBackend("):]
+    assert "self.full_attn_backend.forward_extend(" in _method(wrapper, "forward_extend")
+    assert "self.full_attn_backend = full_attn_backend" in wrapper
+    if "    def init_forward_metadata_out_graph(" in wrapper:  # 0.5.23's replay set-up, which the route skips
+        assert "attn_backend.init_forward_metadata_out_graph(" in _method(wrapper, "init_forward_metadata_out_graph")
+
+
 def test_sglang_flashinfer_backend_runs_the_paged_wrapper_the_route_lends_a_forward():
     """The installed SGLang's FlashInfer backend attends a TARGET_VERIFY pass through
     ``prefill_wrapper_paged.forward`` with the keywords the lent ``forward`` reads, and keeps the
