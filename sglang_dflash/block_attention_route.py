@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 
 from .compat import source_digest
-from .config import block_attention_kernel, skip_host_lengths, skip_kv_copies, skip_unused_plans
+from .config import (block_attention_every_tile, block_attention_kernel, skip_host_lengths, skip_kv_copies,
+                     skip_unused_plans)
 from .ops.block_attention import block_attention, block_attention_by_table, serves
 
 logger = logging.getLogger("sglang_dflash")
@@ -60,6 +61,11 @@ _AT_DEFAULT = {"logit_cap": (0, None), "sliding_window_size": (-1, None), "sinks
 # causal for DECODER layers and not for ENCODER_ONLY ones (:func:`serve_pass_by_table`).
 TRITON_FORWARD_EXTEND_SOURCES = ("5e4ab06c1a98c452", "0766f9122f877eba", "e177c998eb645092", "347e6349314c8115",
                                  "f65ae17c8768ccaa", "84015aa1abead45f", "3dfe4c158fa799b1")
+# Behind a hybrid wrapper, the largest query tile measured (ops.block_attention: rows x head size):
+# the Qwen3.5-4B shape's block of 16 on a GQA group of 4, heads of 256 (results/hybrid/README.md).
+# Larger tiles (the 27B's group of 6, the 35B-A3B's 8) hold twice the accumulator a thread and stay
+# with SGLang's kernel until they are timed.
+HYBRID_TILE_LIMIT = 64 * 256
 # forward_extend's parameters after (q, k, v, layer, forward_batch), and the values a served pass has.
 _PASS_EXTRAS = {"save_kv_cache": True, "sinks": None, "score_mod": None, "aux_tensors": None}
 
@@ -82,7 +88,7 @@ class BlockAttentionRoute:
 ROUTE = BlockAttentionRoute()
 
 
-def block_call(args: dict) -> Optional[tuple]:
+def block_call(args: dict, tile_limit: Optional[int] = None) -> Optional[tuple]:
     """The block kernel's arguments for one extend-kernel call (by name), or None where it must
     decline: anything beyond a uniform block over a one-token-page cache, unscaled, unmasked."""
     for name, value in args.items():
@@ -95,7 +101,7 @@ def block_call(args: dict) -> Optional[tuple]:
     q, k_cache, v_cache = args["q_extend"], args["k_buffer"], args["v_buffer"]
     block = args["max_len_extend"]
     if (args["custom_mask"] is not None or not unscaled(args["k_scale"]) or not unscaled(args["v_scale"])
-            or not isinstance(block, int) or block < 1 or not kernel_takes(q, k_cache, v_cache, block)):
+            or not isinstance(block, int) or block < 1 or not kernel_takes(q, k_cache, v_cache, block, tile_limit)):
         return None
     heads, dim = k_cache.shape[-2], k_cache.shape[-1]
     sm_scale = args.get("sm_scale")
@@ -110,13 +116,21 @@ def unscaled(scale) -> bool:
     return not isinstance(scale, torch.Tensor) and scale in (None, 1.0)
 
 
-def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: int) -> bool:
+def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: int,
+                 tile_limit: Optional[int] = None) -> bool:
     """Whether the block kernel takes these queries ``[bs * block, Hq, D]`` over these caches
-    ``[slots, Hkv, D]``: one dtype throughout, a head size it serves, whole blocks and GQA groups."""
+    ``[slots, Hkv, D]``: one dtype throughout, a head size it serves, whole blocks and GQA groups,
+    and a program's query tile (rows x head size) within ``tile_limit`` where one is set."""
     return (q.dim() == 3 and k_cache.dim() == 3 and serves(q.shape[-1], q.dtype)
             and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
             and k_cache.shape[-1] == q.shape[-1] and v_cache.shape[-1] == q.shape[-1]
-            and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0)
+            and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0
+            and (tile_limit is None or query_tile(block, q.shape[1] // k_cache.shape[-2], q.shape[-1]) <= tile_limit))
+
+
+def query_tile(block: int, group: int, head_dim: int) -> int:
+    """Elements of one program's query tile, and of its float32 accumulator (ops.block_attention)."""
+    return max(16, 1 << (block * group - 1).bit_length()) * head_dim
 
 
 def route_block_attention(backend) -> bool:
@@ -129,6 +143,8 @@ def route_block_attention(backend) -> bool:
     backend = backend if wrapped is None else wrapped
     if getattr(backend, "_dflash_block_route", False):
         return True
+    if wrapped is not None and not block_attention_every_tile():  # larger tiles have not run behind it
+        backend._dflash_tile_limit = HYBRID_TILE_LIMIT
     if not block_attention_kernel() or getattr(backend, "page_size", 1) != 1:
         return False
     family = {c.__name__ for c in type(backend).__mro__}
@@ -179,7 +195,7 @@ def _route_triton(backend) -> bool:
             forward_batch, saved = block_pass[0]
             call = dict(zip(names, args))
             call.update(kwargs)
-            block_args = block_call(call)
+            block_args = block_call(call, getattr(backend, "_dflash_tile_limit", None))
             if block_args is not None:
                 ROUTE.routed += 1
                 q, _, _, o, k_cache, v_cache, _, _, block, sm_scale, causal = block_args
@@ -248,7 +264,8 @@ def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tup
     k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     bs = len(rows)
     block = q3.shape[0] // bs if bs else 0
-    if block == 0 or q3.shape[0] != bs * block or len(lens) < bs or not kernel_takes(q3, k_cache, v_cache, block):
+    if (block == 0 or q3.shape[0] != bs * block or len(lens) < bs
+            or not kernel_takes(q3, k_cache, v_cache, block, getattr(backend, "_dflash_tile_limit", None))):
         return None
     pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
     o = getattr(forward_batch, "_attn_output", None)

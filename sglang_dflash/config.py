@@ -26,7 +26,8 @@ CONTEXT_IN_GRAPH_ENV = "SGLANG_DFLASH_CONTEXT_IN_GRAPH"
 # plugin's, which fills the host lengths in bulk (draft_input.py; A/B runs).
 BULK_PREPARE_ENV = "SGLANG_DFLASH_BULK_PREPARE"
 # 0 = the DFLASH passes' attention on the Triton and FlashInfer backends through SGLang's own kernels,
-# not the plugin's block kernel (ops/block_attention.py; A/B runs).
+# not the plugin's block kernel (ops/block_attention.py; A/B runs); all = behind a hybrid target's
+# wrapper at every query tile too, not only those timed (block_attention_route.HYBRID_TILE_LIMIT).
 BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # 0 = FlashInfer still plans its prefill wrapper before every replay of a DFLASH pass that the block
 # kernel serves whole, though the kernel reads nothing the plan makes (A/B runs).
@@ -92,6 +93,10 @@ def bulk_prepare() -> bool:
 
 def block_attention_kernel() -> bool:
     return os.environ.get(BLOCK_ATTENTION_ENV, "1") != "0"
+
+
+def block_attention_every_tile() -> bool:
+    return os.environ.get(BLOCK_ATTENTION_ENV, "1") == "all"
 
 
 def skip_unused_plans() -> bool:

@@ -128,6 +128,28 @@ def test_a_hybrid_targets_attention_layers_take_the_block_kernel(kernel_calls):
     assert full.sglang_calls == [True] and len(kernel_calls) == 1
 
 
+def test_behind_a_hybrid_wrapper_tiles_beyond_the_measured_one_stay_with_sglang(kernel_calls, monkeypatch):
+    assert route.query_tile(16, 4, 256) == route.HYBRID_TILE_LIMIT  # the Qwen3.5-4B shape, timed
+    assert route.query_tile(16, 8, 256) > route.HYBRID_TILE_LIMIT  # Qwen3.6-35B-A3B: 16/2 heads of 256
+    assert route.query_tile(16, 6, 256) > route.HYBRID_TILE_LIMIT  # Qwen3.5-27B: 24/4
+    assert route.query_tile(8, 8, 256) == route.HYBRID_TILE_LIMIT  # its block of 8 fits
+    assert route.query_tile(1, 2, 64) == 16 * 64
+    monkeypatch.setattr(route, "HYBRID_TILE_LIMIT", route.query_tile(BLOCK, Q_HEADS // KV_HEADS, DIM) - 1)
+    full = TritonAttnBackend()
+    assert route.route_block_attention(HybridLinearAttnBackend(full))
+    _forward(HybridLinearAttnBackend(full))
+    assert kernel_calls == [] and full.sglang_calls == [True] and route.ROUTE.declined == 1
+    dense = TritonAttnBackend()  # a dense target's backend keeps the kernel at any tile
+    assert route.route_block_attention(dense)
+    _forward(dense)
+    assert len(kernel_calls) == 1
+    monkeypatch.setenv("SGLANG_DFLASH_BLOCK_ATTENTION", "all")  # an A/B run times them
+    wide = HybridLinearAttnBackend(TritonAttnBackend())
+    assert route.route_block_attention(wide)
+    _forward(wide)
+    assert len(kernel_calls) == 2
+
+
 def test_a_hybrid_targets_flashinfer_attention_is_left_to_sglang(monkeypatch):
     """Behind the hybrid wrapper only Triton has run lossless on a GPU."""
     monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
