@@ -40,7 +40,7 @@ import torch
 from .compat import source_digest
 from .config import (block_attention_every_tile, block_attention_kernel, skip_host_lengths, skip_kv_copies,
                      skip_unused_plans)
-from .ops.block_attention import block_attention, block_attention_by_table, serves
+from .ops.block_attention import block_attention, block_attention_by_table, query_rows, serves
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -130,7 +130,7 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def query_tile(block: int, group: int, head_dim: int) -> int:
     """Elements of one program's query tile, and of its float32 accumulator (ops.block_attention)."""
-    return max(16, 1 << (block * group - 1).bit_length()) * head_dim
+    return query_rows(block, group) * head_dim
 
 
 def route_block_attention(backend) -> bool:

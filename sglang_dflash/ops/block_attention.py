@@ -155,6 +155,11 @@ def default_splits(batch_size: int, kv_heads: int, device: torch.device) -> int:
     return min(16, 1 << (want.bit_length() - 1))
 
 
+def query_rows(block: int, group: int) -> int:
+    """Rows of one program's query tile: a block's queries for a KV head's whole GQA group."""
+    return max(16, triton.next_power_of_2(block * group))
+
+
 def serves(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether :func:`block_attention` takes this head size and dtype."""
     return head_dim in (64, 128, 256) and dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -224,7 +229,7 @@ def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block
         q, k, v, k_cache, v_cache, rows, lens, index, index_stride, o, part_o, part_lse, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1),
-        W=block, GROUP=group, ROWS=max(16, triton.next_power_of_2(block * group)), HEAD_DIM=head_dim,
+        W=block, GROUP=group, ROWS=query_rows(block, group), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_W=max(16, triton.next_power_of_2(block)), SPLITS=splits, CAUSAL=causal,
         F32=f32, TABLE=table, num_warps=4, num_stages=2,
     )
