@@ -143,13 +143,13 @@ def route_block_attention(backend) -> bool:
     backend = backend if wrapped is None else wrapped
     if getattr(backend, "_dflash_block_route", False):
         return True
-    if wrapped is not None and not block_attention_every_tile():  # larger tiles have not run behind it
-        backend._dflash_tile_limit = HYBRID_TILE_LIMIT
+    # behind a wrapper, tiles larger than the one timed keep SGLang's kernel
+    tile_limit = HYBRID_TILE_LIMIT if wrapped is not None and not block_attention_every_tile() else None
     if not block_attention_kernel() or getattr(backend, "page_size", 1) != 1:
         return False
     family = {c.__name__ for c in type(backend).__mro__}
     if "TritonAttnBackend" in family and hasattr(backend, "extend_attention_fwd"):
-        routed = _route_triton(backend)
+        routed = _route_triton(backend, tile_limit)
     elif (wrapped is None and "FlashInferAttnBackend" in family and hasattr(backend, "_get_wrapper_idx")
           and table_holds_slots(backend)):
         routed = _route_flashinfer(backend)
@@ -161,7 +161,7 @@ def route_block_attention(backend) -> bool:
     return routed
 
 
-def _route_triton(backend) -> bool:
+def _route_triton(backend, tile_limit: Optional[int]) -> bool:
     extend = backend.extend_attention_fwd
     names = list(inspect.signature(extend).parameters)
     if tuple(names[: len(_POSITIONAL)]) != _POSITIONAL:
@@ -180,7 +180,7 @@ def _route_triton(backend) -> bool:
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
             if whole:
-                o = serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args, kwargs)
+                o = serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args, kwargs, tile_limit)
                 if o is not None:
                     return o
             saves = kwargs.get("save_kv_cache", args[0] if args else True)
@@ -195,7 +195,7 @@ def _route_triton(backend) -> bool:
             forward_batch, saved = block_pass[0]
             call = dict(zip(names, args))
             call.update(kwargs)
-            block_args = block_call(call, getattr(backend, "_dflash_tile_limit", None))
+            block_args = block_call(call, tile_limit)
             if block_args is not None:
                 ROUTE.routed += 1
                 q, _, _, o, k_cache, v_cache, _, _, block, sm_scale, causal = block_args
@@ -230,8 +230,8 @@ def forward_extend_read(cls) -> bool:
     return source_digest_or_none(cls) in TRITON_FORWARD_EXTEND_SOURCES
 
 
-def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tuple, kwargs: dict
-                        ) -> Optional[torch.Tensor]:
+def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tuple, kwargs: dict,
+                        tile_limit: Optional[int] = None) -> Optional[torch.Tensor]:
     """A TARGET_VERIFY ``forward_extend`` call done as SGLang's does it where nothing below declines:
     the pass's K/V written to the cache, then the block kernel over the request table; returns
     the output, or None to leave the call to SGLang. SGLang's kernel would read contiguous copies
@@ -265,7 +265,7 @@ def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tup
     bs = len(rows)
     block = q3.shape[0] // bs if bs else 0
     if (block == 0 or q3.shape[0] != bs * block or len(lens) < bs
-            or not kernel_takes(q3, k_cache, v_cache, block, getattr(backend, "_dflash_tile_limit", None))):
+            or not kernel_takes(q3, k_cache, v_cache, block, tile_limit)):
         return None
     pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
     o = getattr(forward_batch, "_attn_output", None)
