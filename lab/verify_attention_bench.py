@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """The target verify's attention on the Triton backend, kernel against kernel: SGLang's extend
 kernel (what a DFLASH verify runs on NVIDIA without the plugin's), its split-KV verify kernel
-(enabled by SGLang on gfx95 only) and the plugin's block kernel (``ops.block_attention``), on the
-8B-shape rig's heads (32 query, 8 KV, dim 128), a block of 16 per request.
+(enabled by SGLang on gfx95 only) and the plugin's block kernel (``ops.block_attention``), on a
+target's attention heads (default the 8B-shape rig's: 32 query, 8 KV, dim 128), a block per request.
 
     python3 -m lab.verify_attention_bench OUT.json [--dtype bfloat16|float32] [--no-split-kv]
+        [--shape 8b|qwen3.5-4b|qwen3.5-27b|qwen3.6-35b-a3b] [--block 16]
+
+The hybrid shapes' full-attention layers (heads of 256) decide ``HYBRID_TILE_LIMIT``: whether the
+block kernel's query tile of a block times the GQA group beats SGLang's kernel there.
 
 Per batch size and context: microseconds per call (median of CUDA-event timings, each over 50
 calls), the split-KV kernel at 4 splits (an eager verify's short-context choice) and at 16 (a
@@ -23,9 +27,12 @@ from lab.cuda_timing import event_us
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 
-from sglang_dflash.ops.block_attention import block_attention, default_splits
+from sglang_dflash.ops.block_attention import block_attention, default_splits, query_rows
 from sglang_dflash.reference import block_attention as ref_block_attention
 
+# query heads, KV heads, head size of each target's (full-)attention layers
+SHAPES = {"8b": (32, 8, 128), "qwen3.5-4b": (16, 4, 256), "qwen3.5-27b": (24, 4, 256),
+          "qwen3.6-35b-a3b": (16, 2, 256)}
 HQ, HKV, D, W = 32, 8, 128, 16
 
 
@@ -72,7 +79,11 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-split-kv", action="store_true", help="leave SGLang's split-KV kernel out")
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--block", type=int, default=16)
     args = ap.parse_args()
+    global HQ, HKV, D, W
+    (HQ, HKV, D), W = SHAPES[args.shape], args.block
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -84,7 +95,8 @@ def main():
         kvi_graph = torch.zeros(bs * 8192, dtype=torch.int64, device="cuda")
         kvi_graph[: p["kvi"].numel()] = p["kvi"]
         o_ext = torch.empty_like(p["q"])
-        row = {"bs": bs, "context": [lo, hi], "dtype": args.dtype,
+        row = {"shape": args.shape, "block": W, "tile_rows": query_rows(W, HQ // HKV), "bs": bs, "context": [lo, hi],
+               "dtype": args.dtype,
                "extend_us": event_us(lambda: run_extend(p, o_ext))}
         outs = {"extend": o_ext}
         if not args.no_split_kv:
