@@ -69,9 +69,9 @@ def run_split(p, o, kvi):
     assert ran, "verify_splitkv_fwd declined the problem"
 
 
-def run_block(p, o, splits):
+def run_block(p, o, splits, warps=4):
     block_attention(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["kvp"], p["kvi"], W, 1 / math.sqrt(D), True,
-                    splits=splits)
+                    splits=splits, warps=warps)
 
 
 def main():
@@ -108,6 +108,9 @@ def main():
             name = "block" if splits is None else f"block_s{splits}"
             outs[name] = torch.empty_like(p["q"])
             row[f"{name}_us"] = event_us(lambda: run_block(p, outs[name], splits))
+        if D > 128:  # the wide heads' tile at 8 warps: half the accumulator a thread
+            outs["block_w8"] = torch.empty_like(p["q"])
+            row["block_w8_us"] = event_us(lambda: run_block(p, outs["block_w8"], None, warps=8))
         ref = reference(p)
         for name, o in outs.items():
             row[f"{name}_max_err_vs_f64"] = float((o.double() - ref).abs().max())

@@ -178,6 +178,7 @@ def block_attention(
     sm_scale: float,
     causal: bool,
     splits: Optional[int] = None,
+    warps: int = 4,
 ) -> torch.Tensor:
     """``o`` = attention of each request's ``block`` queries over its prefix and the block.
 
@@ -186,7 +187,7 @@ def block_attention(
     ``v_cache`` (``[slots, Hkv, D]``). ``causal``: query i sees the block's keys up to i; else all.
     """
     return _launch(q, k, v, o, k_cache, v_cache, kv_indptr, kv_indptr, kv_indices, 0, block, sm_scale, causal,
-                   splits, table=False)
+                   splits, table=False, warps=warps)
 
 
 def block_attention_by_table(
@@ -209,7 +210,8 @@ def block_attention_by_table(
                    block, sm_scale, causal, splits, table=True)
 
 
-def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block, sm_scale, causal, splits, table):
+def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block, sm_scale, causal, splits, table,
+            warps=4):
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     bs = tokens // block
@@ -231,7 +233,7 @@ def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1),
         W=block, GROUP=group, ROWS=query_rows(block, group), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_W=max(16, triton.next_power_of_2(block)), SPLITS=splits, CAUSAL=causal,
-        F32=f32, TABLE=table, num_warps=4, num_stages=2,
+        F32=f32, TABLE=table, num_warps=warps, num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(tokens, q_heads)](part_o, part_lse, o, o.stride(0), o.stride(1),
