@@ -13,7 +13,8 @@ block kernel's query tile of a block times the GQA group beats SGLang's kernel t
 Per batch size and context: microseconds per call (median of CUDA-event timings, each over 50
 calls), the split-KV kernel at 4 splits (an eager verify's short-context choice) and at 16 (a
 CUDA-graph capture, whose index buffer is sized for the longest context), the block kernel at
-its default split count and at 1, 2, 4 and 8, and the largest difference of each output from
+its default split count and warps and at 1, 2, 4 and 8 splits (heads over 128: at 4 and at 8 warps),
+and the largest difference of each output from
 the extend kernel's and from a float64 reference.
 """
 
@@ -27,7 +28,7 @@ from lab.cuda_timing import event_us
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 
-from sglang_dflash.ops.block_attention import block_attention, default_splits, query_rows
+from sglang_dflash.ops.block_attention import block_attention, default_splits, query_rows, warps_for
 from sglang_dflash.reference import block_attention as ref_block_attention
 
 # query heads, KV heads, head size of each target's (full-)attention layers
@@ -69,7 +70,7 @@ def run_split(p, o, kvi):
     assert ran, "verify_splitkv_fwd declined the problem"
 
 
-def run_block(p, o, splits, warps=4):
+def run_block(p, o, splits, warps=None):
     block_attention(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["kvp"], p["kvi"], W, 1 / math.sqrt(D), True,
                     splits=splits, warps=warps)
 
@@ -108,9 +109,11 @@ def main():
             name = "block" if splits is None else f"block_s{splits}"
             outs[name] = torch.empty_like(p["q"])
             row[f"{name}_us"] = event_us(lambda: run_block(p, outs[name], splits))
-        if D > 128:  # the wide heads' tile at 8 warps: half the accumulator a thread
-            outs["block_w8"] = torch.empty_like(p["q"])
-            row["block_w8_us"] = event_us(lambda: run_block(p, outs["block_w8"], None, warps=8))
+        row["block_warps"] = warps_for(query_rows(W, HQ // HKV), D)
+        if D > 128:  # the wide heads' tile at either warp count, half the accumulator a thread at 8
+            for warps in (4, 8):
+                outs[f"block_w{warps}"] = torch.empty_like(p["q"])
+                row[f"block_w{warps}_us"] = event_us(lambda: run_block(p, outs[f"block_w{warps}"], None, warps))
         ref = reference(p)
         for name, o in outs.items():
             row[f"{name}_max_err_vs_f64"] = float((o.double() - ref).abs().max())

@@ -62,10 +62,11 @@ _AT_DEFAULT = {"logit_cap": (0, None), "sliding_window_size": (-1, None), "sinks
 TRITON_FORWARD_EXTEND_SOURCES = ("5e4ab06c1a98c452", "0766f9122f877eba", "e177c998eb645092", "347e6349314c8115",
                                  "f65ae17c8768ccaa", "84015aa1abead45f", "3dfe4c158fa799b1")
 # Behind a hybrid wrapper, the largest query tile measured (ops.block_attention: rows x head size):
-# the Qwen3.5-4B shape's block of 16 on a GQA group of 4, heads of 256 (results/hybrid/README.md).
-# Larger tiles (the 27B's group of 6, the 35B-A3B's 8) hold twice the accumulator a thread and stay
-# with SGLang's kernel until they are timed.
-HYBRID_TILE_LIMIT = 64 * 256
+# block 16 on the 27B's GQA group of 6 and the 35B-A3B's 8, heads of 256, at 8 warps 0.13-0.42x the time
+# of SGLang's extend kernel wherever either took over 80 us (lab/verify_attention_bench.py, H100,
+# results/hybrid/README.md); the 4B's tile, half that, also ran end to end. Larger tiles are untimed
+# and stay with SGLang's kernel.
+HYBRID_TILE_LIMIT = 128 * 256
 # forward_extend's parameters after (q, k, v, layer, forward_batch), and the values a served pass has.
 _PASS_EXTRAS = {"save_kv_cache": True, "sinks": None, "score_mod": None, "aux_tensors": None}
 

@@ -258,39 +258,40 @@ def check_block_attention(device: str) -> None:
 
     g = torch.Generator().manual_seed(0)
     half = torch.bfloat16 if device == "cuda" else torch.float16
-    cases = [(16, 8, 2, True, 1, torch.float32), (16, 8, 2, False, 3, torch.float32),
-             (5, 4, 1, True, 2, torch.float32), (2, 4, 4, True, 4, torch.float32),
-             (16, 8, 2, True, 2, half), (16, 8, 2, False, 1, half)]
-    for block, q_heads, kv_heads, causal, splits, dtype in cases:
+    cases = [(16, 8, 2, True, 1, torch.float32, 64), (16, 8, 2, False, 3, torch.float32, 64),
+             (5, 4, 1, True, 2, torch.float32, 64), (2, 4, 4, True, 4, torch.float32, 64),
+             (16, 8, 2, True, 2, half, 64), (16, 8, 2, False, 1, half, 64),
+             (16, 8, 1, True, 2, half, 256)]  # a 128 x 256 query tile: 8 warps (ops.block_attention.warps_for)
+    for block, q_heads, kv_heads, causal, splits, dtype, dim in cases:
         prefix = torch.tensor([0, 1, 70, 33])
         slots = int(prefix.sum()) + 10
         kv_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
         kv_indptr[1:] = prefix.cumsum(0)
         kv_indices = torch.randperm(slots, generator=g)[: int(prefix.sum())]
         tokens = len(prefix) * block
-        q, o = torch.randn(tokens, q_heads, 64, generator=g), torch.zeros(tokens, q_heads, 64)
-        k, v = (torch.randn(tokens, kv_heads, 64, generator=g) for _ in range(2))
-        kc, vc = (torch.randn(slots, kv_heads, 64, generator=g) for _ in range(2))
+        q, o = torch.randn(tokens, q_heads, dim, generator=g), torch.zeros(tokens, q_heads, dim)
+        k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
+        kc, vc = (torch.randn(slots, kv_heads, dim, generator=g) for _ in range(2))
         args = [t.to(device, dtype) for t in (q, k, v, o, kc, vc)]
-        block_attention(*args, kv_indptr.to(device), kv_indices.to(device), block, 0.125, causal, splits=splits)
+        block_attention(*args, kv_indptr.to(device), kv_indices.to(device), block, dim ** -0.5, causal, splits=splits)
         want = ref_block_attention(*(t.to(dtype) for t in (q, k, v, kc, vc)), kv_indptr, kv_indices, block,
-                                   0.125, causal)
+                                   dim ** -0.5, causal)
         err = (args[3].double().cpu() - want).abs().max().item()
         tol = 1e-5 if dtype == torch.float32 else 3e-2
-        assert err < tol, (block, q_heads, kv_heads, causal, splits, dtype, err)
+        assert err < tol, (block, q_heads, kv_heads, causal, splits, dtype, dim, err)
 
         # The same keys through the request table, the block's K/V written to the cache after each prefix.
         width = int(prefix.max()) + block + 3
         table = torch.randperm(20 * width, generator=g).view(20, width) % (slots + tokens)
         pool_rows = torch.randperm(20, generator=g)[: len(prefix)]
-        kc2, vc2 = torch.cat([kc, torch.zeros(tokens, kv_heads, 64)]), torch.cat([vc, torch.zeros(tokens, kv_heads, 64)])
+        kc2, vc2 = torch.cat([kc, torch.zeros(tokens, kv_heads, dim)]), torch.cat([vc, torch.zeros(tokens, kv_heads, dim)])
         for b, n in enumerate(prefix.tolist()):
             table[pool_rows[b], :n] = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
             table[pool_rows[b], n:n + block] = slots + b * block + torch.arange(block)
         kc2[slots:], vc2[slots:] = k, v
-        o2 = torch.zeros(tokens, q_heads, 64, device=device, dtype=dtype)
+        o2 = torch.zeros(tokens, q_heads, dim, device=device, dtype=dtype)
         block_attention_by_table(q.to(device, dtype), o2, kc2.to(device, dtype), vc2.to(device, dtype),
-                                 table.to(device), pool_rows.to(device), prefix.to(device), block, 0.125, causal,
+                                 table.to(device), pool_rows.to(device), prefix.to(device), block, dim ** -0.5, causal,
                                  splits=splits)
         err = (o2.double().cpu() - want).abs().max().item()
         assert err < tol, ("by table", block, q_heads, kv_heads, causal, splits, dtype, err)

@@ -129,10 +129,10 @@ def test_a_hybrid_targets_attention_layers_take_the_block_kernel(kernel_calls):
 
 
 def test_behind_a_hybrid_wrapper_tiles_beyond_the_measured_one_stay_with_sglang(kernel_calls, monkeypatch):
-    assert route.query_tile(16, 4, 256) == route.HYBRID_TILE_LIMIT  # the Qwen3.5-4B shape, timed
-    assert route.query_tile(16, 8, 256) > route.HYBRID_TILE_LIMIT  # Qwen3.6-35B-A3B: 16/2 heads of 256
-    assert route.query_tile(16, 6, 256) > route.HYBRID_TILE_LIMIT  # Qwen3.5-27B: 24/4
-    assert route.query_tile(8, 8, 256) == route.HYBRID_TILE_LIMIT  # its block of 8 fits
+    assert route.query_tile(16, 4, 256) < route.HYBRID_TILE_LIMIT  # the Qwen3.5-4B shape
+    assert route.query_tile(16, 8, 256) == route.HYBRID_TILE_LIMIT  # Qwen3.6-35B-A3B: 16/2 heads of 256, timed
+    assert route.query_tile(16, 6, 256) == route.HYBRID_TILE_LIMIT  # Qwen3.5-27B: 24/4, timed
+    assert route.query_tile(16, 16, 256) > route.HYBRID_TILE_LIMIT  # a group of 16: never timed
     assert route.query_tile(1, 2, 64) == 16 * 64
     monkeypatch.setattr(route, "HYBRID_TILE_LIMIT", route.query_tile(BLOCK, Q_HEADS // KV_HEADS, DIM) - 1)
     full = TritonAttnBackend()

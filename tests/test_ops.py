@@ -23,3 +23,16 @@ def test_kernel_matches_reference_in_triton_interpreter(check):
     proc = subprocess.run([sys.executable, "-c", f"import kernel_checks; kernel_checks.{check}('cpu')"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_wide_query_tiles_run_eight_warps():
+    """The hybrid targets' 128 x 256 tiles (block 16) at 8 warps; the 4B's 64 x 256 and every tile
+    of heads up to 128 that the dense rigs timed stay at 4."""
+    from sglang_dflash.ops.block_attention import query_rows, warps_for
+
+    assert warps_for(query_rows(16, 8), 256) == 8  # Qwen3.6-35B-A3B: 16 query heads on 2 KV heads
+    assert warps_for(query_rows(16, 6), 256) == 8  # Qwen3.5-27B: 24 on 4
+    assert warps_for(query_rows(16, 4), 256) == 4  # Qwen3.5-4B: 16 on 4
+    assert warps_for(query_rows(8, 8), 256) == 4
+    assert warps_for(query_rows(16, 8), 128) == 4  # heads of 128 on a group of 8
+    assert warps_for(query_rows(16, 4), 128) == 4  # the 8B-shape rig: 32 on 8

@@ -160,6 +160,19 @@ def query_rows(block: int, group: int) -> int:
     return max(16, triton.next_power_of_2(block * group))
 
 
+# Above this many query-tile elements (rows x head size) a program runs 8 warps, so that each thread holds
+# half the float32 accumulator: on an H100 the 128 x 256 tiles of Qwen3.5-27B and Qwen3.6-35B-A3B (block
+# 16) took 0.34-0.64x their time at 4 warps in every case that ran over 80 us, where the GPU rather than
+# the launch sets the time (lab/verify_attention_bench.py, results/hybrid/README.md). 64 x 256 and
+# smaller keep the 4 warps that were timed end to end.
+WIDE_TILE = 64 * 256
+
+
+def warps_for(rows: int, head_dim: int) -> int:
+    """Warps a program of the block kernel runs for a query tile of ``rows`` x ``head_dim``."""
+    return 8 if rows * head_dim > WIDE_TILE else 4
+
+
 def serves(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether :func:`block_attention` takes this head size and dtype."""
     return head_dim in (64, 128, 256) and dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -178,7 +191,7 @@ def block_attention(
     sm_scale: float,
     causal: bool,
     splits: Optional[int] = None,
-    warps: int = 4,
+    warps: Optional[int] = None,
 ) -> torch.Tensor:
     """``o`` = attention of each request's ``block`` queries over its prefix and the block.
 
@@ -211,13 +224,16 @@ def block_attention_by_table(
 
 
 def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block, sm_scale, causal, splits, table,
-            warps=4):
+            warps=None):
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     bs = tokens // block
     if bs == 0:
         return o
     group = q_heads // kv_heads
+    tile_rows = query_rows(block, group)
+    if warps is None:
+        warps = warps_for(tile_rows, head_dim)
     if splits is None:
         splits = default_splits(bs, kv_heads, q.device)
     f32 = q.dtype == torch.float32
@@ -231,7 +247,7 @@ def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block
         q, k, v, k_cache, v_cache, rows, lens, index, index_stride, o, part_o, part_lse, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1),
-        W=block, GROUP=group, ROWS=query_rows(block, group), HEAD_DIM=head_dim,
+        W=block, GROUP=group, ROWS=tile_rows, HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_W=max(16, triton.next_power_of_2(block)), SPLITS=splits, CAUSAL=causal,
         F32=f32, TABLE=table, num_warps=warps, num_stages=2,
     )
