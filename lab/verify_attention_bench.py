@@ -34,44 +34,46 @@ from sglang_dflash.reference import block_attention as ref_block_attention
 # query heads, KV heads, head size of each target's (full-)attention layers
 SHAPES = {"8b": (32, 8, 128), "qwen3.5-4b": (16, 4, 256), "qwen3.5-27b": (24, 4, 256),
           "qwen3.6-35b-a3b": (16, 2, 256)}
-HQ, HKV, D, W = 32, 8, 128, 16
 
 
-def problem(bs, lo, hi, dtype, gen):
+def problem(bs, lo, hi, heads, block, dtype, gen):
+    """``bs`` requests of ``block`` queries over prefixes of ``lo``-``hi`` tokens in shuffled slots."""
+    hq, hkv, d = heads
     prefix = torch.randint(lo, hi + 1, (bs,), generator=gen)
     slots = int(prefix.sum()) + 64
-    kb = torch.randn(slots, HKV, D, generator=gen).to("cuda", dtype)
-    vb = torch.randn(slots, HKV, D, generator=gen).to("cuda", dtype)
+    kb = torch.randn(slots, hkv, d, generator=gen).to("cuda", dtype)
+    vb = torch.randn(slots, hkv, d, generator=gen).to("cuda", dtype)
     kv_indices = torch.randperm(slots, generator=gen)[: int(prefix.sum())].to("cuda", torch.int64)
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
     kv_indptr[1:] = prefix.cumsum(0)
-    qo_indptr = torch.arange(0, (bs + 1) * W, W, dtype=torch.int32)
-    q = torch.randn(bs * W, HQ, D, generator=gen).to("cuda", dtype)
-    k = torch.randn(bs * W, HKV, D, generator=gen).to("cuda", dtype)
-    v = torch.randn(bs * W, HKV, D, generator=gen).to("cuda", dtype)
+    qo_indptr = torch.arange(0, (bs + 1) * block, block, dtype=torch.int32)
+    q = torch.randn(bs * block, hq, d, generator=gen).to("cuda", dtype)
+    k = torch.randn(bs * block, hkv, d, generator=gen).to("cuda", dtype)
+    v = torch.randn(bs * block, hkv, d, generator=gen).to("cuda", dtype)
     return dict(q=q, k=k, v=v, kb=kb, vb=vb, qo=qo_indptr.cuda(), kvp=kv_indptr.cuda(), kvi=kv_indices,
-                prefix=prefix)
+                prefix=prefix, block=block, scale=1 / math.sqrt(d),
+                mask_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"))
 
 
 def reference(p):
     """float64: each query attends to its request's prefix and to the block up to itself."""
-    return ref_block_attention(p["q"], p["k"], p["v"], p["kb"], p["vb"], p["kvp"], p["kvi"], W, 1 / math.sqrt(D),
+    return ref_block_attention(p["q"], p["k"], p["v"], p["kb"], p["vb"], p["kvp"], p["kvi"], p["block"], p["scale"],
                                causal=True)
 
 
 def run_extend(p, o):
     extend_attention_fwd(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["qo"], p["kvp"], p["kvi"], None, True,
-                         p["mask_indptr"], W, 1.0, 1.0, 1 / math.sqrt(D))
+                         p["mask_indptr"], p["block"], 1.0, 1.0, p["scale"])
 
 
 def run_split(p, o, kvi):
     ran = verify_splitkv_fwd(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["qo"], p["kvp"], kvi, None, True,
-                             p["mask_indptr"], W, 1.0, 1.0, 1 / math.sqrt(D), max_bs=len(p["prefix"]))
+                             p["mask_indptr"], p["block"], 1.0, 1.0, p["scale"], max_bs=len(p["prefix"]))
     assert ran, "verify_splitkv_fwd declined the problem"
 
 
 def run_block(p, o, splits, warps=None):
-    block_attention(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["kvp"], p["kvi"], W, 1 / math.sqrt(D), True,
+    block_attention(p["q"], p["k"], p["v"], o, p["kb"], p["vb"], p["kvp"], p["kvi"], p["block"], p["scale"], True,
                     splits=splits, warps=warps)
 
 
@@ -83,20 +85,19 @@ def main():
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--block", type=int, default=16)
     args = ap.parse_args()
-    global HQ, HKV, D, W
-    (HQ, HKV, D), W = SHAPES[args.shape], args.block
+    heads, block = SHAPES[args.shape], args.block
+    hq, hkv, d = heads
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for bs, lo, hi in [(1, 128, 384), (8, 128, 384), (32, 128, 384), (64, 128, 384), (8, 1024, 4096),
                        (32, 1024, 4096)]:
-        p = problem(bs, lo, hi, dtype, gen)
-        p["mask_indptr"] = torch.zeros(bs + 1, dtype=torch.int64, device="cuda")
+        p = problem(bs, lo, hi, heads, block, dtype, gen)
         # 16 splits: the index buffer as a CUDA graph holds it, sized past 8192 tokens a request
         kvi_graph = torch.zeros(bs * 8192, dtype=torch.int64, device="cuda")
         kvi_graph[: p["kvi"].numel()] = p["kvi"]
         o_ext = torch.empty_like(p["q"])
-        row = {"shape": args.shape, "block": W, "tile_rows": query_rows(W, HQ // HKV), "bs": bs, "context": [lo, hi],
+        row = {"shape": args.shape, "block": block, "tile_rows": query_rows(block, hq // hkv), "bs": bs, "context": [lo, hi],
                "dtype": args.dtype,
                "extend_us": event_us(lambda: run_extend(p, o_ext))}
         outs = {"extend": o_ext}
@@ -104,13 +105,13 @@ def main():
             outs["split4"], outs["split16"] = torch.empty_like(p["q"]), torch.empty_like(p["q"])
             row["split4_us"] = event_us(lambda: run_split(p, outs["split4"], p["kvi"]))
             row["split16_us"] = event_us(lambda: run_split(p, outs["split16"], kvi_graph))
-        row["block_default_splits"] = default_splits(bs, HKV, p["q"].device)
+        row["block_default_splits"] = default_splits(bs, hkv, p["q"].device)
         for splits in (None, 1, 2, 4, 8):
             name = "block" if splits is None else f"block_s{splits}"
             outs[name] = torch.empty_like(p["q"])
             row[f"{name}_us"] = event_us(lambda: run_block(p, outs[name], splits))
-        row["block_warps"] = warps_for(query_rows(W, HQ // HKV), D)
-        if D > 128:  # the wide heads' tile at either warp count, half the accumulator a thread at 8
+        row["block_warps"] = warps_for(query_rows(block, hq // hkv), d)
+        if d > 128:  # the wide heads' tile at either warp count, half the accumulator a thread at 8
             for warps in (4, 8):
                 outs[f"block_w{warps}"] = torch.empty_like(p["q"])
                 row[f"block_w{warps}_us"] = event_us(lambda: run_block(p, outs[f"block_w{warps}"], None, warps))
@@ -121,7 +122,7 @@ def main():
                 row[f"{name}_max_diff_vs_extend"] = float((o.float() - o_ext.float()).abs().max())
         rows.append(row)
         print(json.dumps(row), flush=True)
-        json.dump({"device": torch.cuda.get_device_name(), "heads": [HQ, HKV, D], "block": W, "rows": rows},
+        json.dump({"device": torch.cuda.get_device_name(), "heads": list(heads), "block": block, "rows": rows},
                   open(args.out, "w"), indent=1)
 
 
