@@ -62,8 +62,9 @@ IMPLEMENTATIONS = {
     # rows, no commit copy (sglang_dflash/gdn_state.py; A/B of SGLANG_DFLASH_GDN_STATE's default).
     "adaptive-snapshot": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                   "SGLANG_DFLASH_GDN_STATE": "snapshot"}),
-    # The default on a hybrid target with the block kernel at query tiles not yet timed behind the
-    # wrapper (the 27B's and 35B-A3B's; A/B of block_attention_route.HYBRID_TILE_LIMIT).
+    # The default on a hybrid target with the block kernel behind the wrapper at query tiles past
+    # those timed (over 128 x 256, a GQA group over 8 at block 16; A/B of
+    # block_attention_route.HYBRID_TILE_LIMIT).
     "adaptive-every-tile": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                     "SGLANG_DFLASH_BLOCK_ATTENTION": "all"}),
     # The same with each request's own width in one verify (SGLang's compact ragged verify, fa3).
