@@ -250,8 +250,9 @@ def _check_draft_vocab_head_in_graph(draft_mod, device: str) -> None:
 
 
 def check_block_attention(device: str) -> None:
-    """ops.block_attention against reference.block_attention: GQA groups of 1, 2 and 4, blocks of
-    16, 5 and 2, causal and not, 1 to 4 prefix splits, empty and short prefixes, shuffled slots,
+    """ops.block_attention against reference.block_attention: GQA groups of 1, 2, 4 and 8 (heads of 64,
+    and of 256 for a 128 x 256 tile at 8 warps), blocks of 16, 5 and 2, causal and not, 1 to 4 prefix
+    splits, empty and short prefixes, shuffled slots,
     float32 and a half type (bfloat16 on CUDA; float16 in the interpreter, which has no bfloat16 dot)."""
     from sglang_dflash.ops import block_attention, block_attention_by_table
     from sglang_dflash.reference import block_attention as ref_block_attention
@@ -294,6 +295,6 @@ def check_block_attention(device: str) -> None:
                                  table.to(device), pool_rows.to(device), prefix.to(device), block, dim ** -0.5, causal,
                                  splits=splits)
         err = (o2.double().cpu() - want).abs().max().item()
-        assert err < tol, ("by table", block, q_heads, kv_heads, causal, splits, dtype, err)
+        assert err < tol, ("by table", block, q_heads, kv_heads, causal, splits, dtype, dim, err)
         # The same products in the same order: the route may switch between the two without a token changing.
         assert torch.equal(o2, args[3]), ("by table differs", block, causal, splits, dtype)
