@@ -40,7 +40,7 @@ import torch
 from .compat import source_digest
 from .config import (block_attention_every_tile, block_attention_kernel, skip_host_lengths, skip_kv_copies,
                      skip_unused_plans)
-from .ops.block_attention import block_attention, block_attention_by_table, query_rows, serves
+from .ops.block_attention import TileTooLarge, block_attention, block_attention_by_table, fits, query_rows, serves
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -80,10 +80,18 @@ class BlockAttentionRoute:
         self.declined = 0  # TARGET_VERIFY calls left to SGLang's kernel
         self.plans_skipped = 0  # replays of routed graphs without SGLang's set-up (FlashInfer's plan, Triton's indices)
         self.served_whole = 0  # of the routed calls, Triton passes served without SGLang's forward_extend
+        self.refused: list = []  # query tiles the GPU could not run: SGLang's kernel serves them
 
     def report(self) -> dict:
         return {"backends": self.backends, "routed_calls": self.routed, "declined_calls": self.declined,
-                "plans_skipped": self.plans_skipped, "served_whole": self.served_whole}
+                "plans_skipped": self.plans_skipped, "served_whole": self.served_whole, "refused_tiles": self.refused}
+
+    def refuse(self, err: TileTooLarge) -> None:
+        """A launch the GPU refused: counted as declined, logged once a tile."""
+        self.declined += 1
+        if str(err) not in self.refused:
+            self.refused.append(str(err))
+            logger.warning("DFLASH block attention: this GPU cannot run a %s; SGLang's kernel serves it", err)
 
 
 ROUTE = BlockAttentionRoute()
@@ -126,6 +134,7 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
             and k_cache.shape[-1] == q.shape[-1] and v_cache.shape[-1] == q.shape[-1]
             and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0
+            and fits(block, q.shape[1] // k_cache.shape[-2], q.shape[-1], q.dtype)
             and (tile_limit is None or query_tile(block, q.shape[1] // k_cache.shape[-2], q.shape[-1]) <= tile_limit))
 
 
@@ -198,16 +207,12 @@ def _route_triton(backend, tile_limit: Optional[int]) -> bool:
             call.update(kwargs)
             block_args = block_call(call, tile_limit)
             if block_args is not None:
-                ROUTE.routed += 1
-                q, _, _, o, k_cache, v_cache, _, _, block, sm_scale, causal = block_args
-                if saved and table is not None:  # the block's K/V are in the cache: the table gives every key
-                    rows, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
-                    if min(len(rows), len(lens)) >= q.shape[0] // block:
-                        return block_attention_by_table(q, o, k_cache, v_cache, table, rows, lens, block, sm_scale,
-                                                        causal)
-                reads_indices[0] += capturing()
-                return block_attention(*block_args)
-            ROUTE.declined += 1
+                try:
+                    return serve_block_call(block_args, saved, table, forward_batch, reads_indices)
+                except TileTooLarge as err:
+                    ROUTE.refuse(err)
+            else:
+                ROUTE.declined += 1
             reads_indices[0] += capturing()
         return extend(*args, **kwargs)
 
@@ -216,6 +221,22 @@ def _route_triton(backend, tile_limit: Optional[int]) -> bool:
     if table is not None and skip_unused_plans():
         _skip_unused_triton_replay_setup(backend, reads_indices)
     return True
+
+
+def serve_block_call(block_args: tuple, saved: bool, table, forward_batch, reads_indices: list) -> torch.Tensor:
+    """One extend-kernel call on the block kernel: over the request table where the block's K/V are
+    in the cache already, else over SGLang's kv indices (counted in ``reads_indices`` while capturing)."""
+    q, _, _, o, k_cache, v_cache, _, _, block, sm_scale, causal = block_args
+    if saved and table is not None:  # the block's K/V are in the cache: the table gives every key
+        rows, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+        if min(len(rows), len(lens)) >= q.shape[0] // block:
+            o = block_attention_by_table(q, o, k_cache, v_cache, table, rows, lens, block, sm_scale, causal)
+            ROUTE.routed += 1
+            return o
+    o = block_attention(*block_args)
+    reads_indices[0] += capturing()
+    ROUTE.routed += 1
+    return o
 
 
 def source_digest_or_none(cls) -> Optional[str]:
@@ -271,10 +292,14 @@ def serve_pass_by_table(backend, table, q, k, v, layer, forward_batch, args: tup
     pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
     o = getattr(forward_batch, "_attn_output", None)
     o = torch.empty_like(q) if o is None else o
+    try:
+        block_attention_by_table(q3, o.view(q3.shape), k_cache, v_cache, table, rows, lens, block, layer.scaling,
+                                 kind == "DECODER")
+    except TileTooLarge as err:  # SGLang's forward_extend writes the same K/V again and serves the pass
+        ROUTE.refuse(err)
+        return None
     ROUTE.routed += 1
     ROUTE.served_whole += 1
-    block_attention_by_table(q3, o.view(q3.shape), k_cache, v_cache, table, rows, lens, block, layer.scaling,
-                             kind == "DECODER")
     return o
 
 
@@ -349,11 +374,18 @@ def _route_flashinfer(backend) -> bool:
                 decline()
                 return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
                                        logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
-            ROUTE.routed += 1
             scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-            return block_attention_by_table(
-                q3, torch.empty_like(q3), k_cache, v_cache, backend.req_to_token_pool.req_to_token, req_pool_indices,
-                prefix_lens, block, scale, bool(causal))
+            try:
+                o = block_attention_by_table(
+                    q3, torch.empty_like(q3), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
+                    req_pool_indices, prefix_lens, block, scale, bool(causal))
+            except TileTooLarge as err:
+                ROUTE.refuse(err)
+                declined[0] += capturing()
+                return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
+                                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
+            ROUTE.routed += 1
+            return o
 
         own = wrapper.__dict__.get("forward")
         wrapper.forward = block_forward  # for this call only

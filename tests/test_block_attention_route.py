@@ -4,6 +4,7 @@ A fake backend calls ``extend_attention_fwd`` as SGLang's ``forward_extend`` doe
 arguments by position); the kernel itself is checked in ``test_ops.py`` against the reference.
 """
 
+import importlib
 import inspect
 from types import SimpleNamespace
 
@@ -69,7 +70,7 @@ def test_target_verify_and_draft_passes_take_the_block_kernel(kernel_calls):
     q, k, v, o, k_cache, v_cache, kv_indptr, kv_indices, block, sm_scale, causal = kernel_calls[0]
     assert k.shape == (2 * BLOCK, KV_HEADS, DIM) and v.shape == k.shape and block == BLOCK and sm_scale == 0.125
     assert route.ROUTE.report() == {"backends": 1, "routed_calls": 2, "declined_calls": 0, "plans_skipped": 0,
-                                    "served_whole": 0}
+                                    "served_whole": 0, "refused_tiles": []}
     assert route.route_block_attention(backend)  # routing twice wraps once
     _forward(backend)
     assert len(kernel_calls) == 3
@@ -148,6 +149,46 @@ def test_behind_a_hybrid_wrapper_tiles_beyond_the_measured_one_stay_with_sglang(
     assert route.route_block_attention(wide)
     _forward(wide)
     assert len(kernel_calls) == 2
+
+
+def test_a_tile_the_gpu_refuses_is_served_by_sglang_and_logged_once(kernel_calls, monkeypatch, caplog):
+    """Triton refuses a launch needing more shared memory than the GPU has (float32 at heads of 256)
+    before enqueueing anything, inside a capture too: the call goes to SGLang's kernel instead."""
+    def refused(*args):
+        raise route.TileTooLarge("64 x 256 torch.float32 query tile: out of resource: shared memory")
+
+    monkeypatch.setattr(route, "block_attention", refused)
+    backend = TritonAttnBackend()
+    assert route.route_block_attention(backend)
+    with caplog.at_level("WARNING", logger=route.logger.name):
+        _forward(backend)
+        _forward(backend)
+    assert backend.sglang_calls == [True, True]
+    report = route.ROUTE.report()
+    assert report["routed_calls"] == 0 and report["declined_calls"] == 2 and len(report["refused_tiles"]) == 1
+    assert sum("cannot run a 64 x 256" in r.message for r in caplog.records) == 1
+
+
+def test_a_refused_tile_is_declined_before_its_next_launch(monkeypatch):
+    ops = importlib.import_module("sglang_dflash.ops.block_attention")  # the module, not its function
+
+    class Refusing:  # the launcher Triton builds for a kernel whose program does not fit the GPU
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise ops.OutOfResources(262144, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(ops, "_block_attention_kernel", Refusing())
+    monkeypatch.setattr(ops, "_REFUSED", set())
+    q = torch.zeros(2 * 16, 16, 256)
+    k_cache = torch.zeros(8, 4, 256)
+    assert route.kernel_takes(q, k_cache, k_cache, 16)
+    with pytest.raises(ops.TileTooLarge, match="64 x 256 torch.float32"):
+        ops.block_attention(q, q[:, :4], q[:, :4], torch.empty_like(q), k_cache, k_cache,
+                            torch.zeros(3, dtype=torch.int32), torch.zeros(0, dtype=torch.int64), 16, 0.0625, True,
+                            splits=1)
+    assert not route.kernel_takes(q, k_cache, k_cache, 16)
+    assert route.kernel_takes(q.to(torch.bfloat16), k_cache.to(torch.bfloat16), k_cache.to(torch.bfloat16), 16)
 
 
 def test_a_hybrid_targets_flashinfer_attention_is_left_to_sglang(monkeypatch):
@@ -326,7 +367,7 @@ def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypa
     _flashinfer_forward(ragged)
     assert ragged.wrapper.calls == [True] and len(calls) == 2
     assert route.ROUTE.report() == {"backends": 2, "routed_calls": 2, "declined_calls": 4, "plans_skipped": 0,
-                                    "served_whole": 0}
+                                    "served_whole": 0, "refused_tiles": []}
     translating = FlashInferAttnBackend()
     translating.kv_index_translator = SimpleNamespace(is_translating=True)
     assert not route.route_block_attention(translating)  # its table holds ids, not cache rows
@@ -633,6 +674,28 @@ def test_triton_passes_served_whole_only_where_sglang_would_write_and_attend_ali
                             mha_one_shot=False)
     assert served(backend, backend.req_to_token, q, k, v, _sglang_layer(kind, **layer), batch, *args) is None
     assert backend.token_to_kv_pool.writes == [] and table_calls == [] and route.ROUTE.served_whole == 0
+
+
+def test_a_pass_whose_tile_the_gpu_refuses_goes_through_sglangs_forward_extend(monkeypatch):
+    def refused(*args):
+        raise route.TileTooLarge("64 x 256 torch.float32 query tile: out of resource: shared memory")
+
+    monkeypatch.setattr(route, "block_attention_by_table", refused)
+    monkeypatch.setattr(route, "block_attention", refused)
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    ran = []
+
+    def sglang_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                      custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=None, **rest):
+        ran.append(is_causal)
+
+    backend = sglang_triton_backend()
+    backend.extend_attention_fwd = sglang_extend  # SGLang's own kernel, which serves the pass here
+    assert route.route_block_attention(backend)
+    _pass(backend, _sglang_layer())
+    report = route.ROUTE.report()
+    assert ran == [True] and report["routed_calls"] == 0 and report["served_whole"] == 0
+    assert len(report["refused_tiles"]) == 1 and report["declined_calls"] == 2  # the whole pass, then the kernel call
 
 
 def test_a_forward_extend_not_read_here_is_never_served_whole(table_calls, monkeypatch, caplog):

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import OutOfResources
 
 
 @triton.jit
@@ -173,6 +174,21 @@ def warps_for(rows: int, head_dim: int) -> int:
     return 8 if rows * head_dim > WIDE_TILE else 4
 
 
+class TileTooLarge(RuntimeError):
+    """The GPU cannot run one program of the kernel for this query tile (shared memory or threads)."""
+
+
+# (query-tile rows, head size, dtype) a GPU refused at launch. Triton refuses before anything is
+# enqueued, inside a CUDA-graph capture too, so the caller can serve the call another way. Float32
+# tiles of 64 x 256 and up need 256 KB of shared memory a program, over the 227 KB of an H100 or H200.
+_REFUSED: set = set()
+
+
+def fits(block: int, group: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """False once a launch of this tile has been refused (:class:`TileTooLarge`)."""
+    return (query_rows(block, group), head_dim, dtype) not in _REFUSED
+
+
 def serves(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether :func:`block_attention` takes this head size and dtype."""
     return head_dim in (64, 128, 256) and dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -243,14 +259,18 @@ def _launch(q, k, v, o, k_cache, v_cache, rows, lens, index, index_stride, block
         part_lse = torch.empty((tokens, q_heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = o  # unused
-    _block_attention_kernel[(bs, kv_heads, splits)](
-        q, k, v, k_cache, v_cache, rows, lens, index, index_stride, o, part_o, part_lse, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1),
-        W=block, GROUP=group, ROWS=tile_rows, HEAD_DIM=head_dim,
-        BLOCK_N=block_n, BLOCK_W=max(16, triton.next_power_of_2(block)), SPLITS=splits, CAUSAL=causal,
-        F32=f32, TABLE=table, num_warps=warps, num_stages=2,
-    )
+    try:
+        _block_attention_kernel[(bs, kv_heads, splits)](
+            q, k, v, k_cache, v_cache, rows, lens, index, index_stride, o, part_o, part_lse, sm_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1),
+            W=block, GROUP=group, ROWS=tile_rows, HEAD_DIM=head_dim,
+            BLOCK_N=block_n, BLOCK_W=max(16, triton.next_power_of_2(block)), SPLITS=splits, CAUSAL=causal,
+            F32=f32, TABLE=table, num_warps=warps, num_stages=2,
+        )
+    except OutOfResources as err:
+        _REFUSED.add((tile_rows, head_dim, q.dtype))
+        raise TileTooLarge(f"{tile_rows} x {head_dim} {q.dtype} query tile: {err}") from err
     if splits > 1:
         _merge_splits_kernel[(tokens, q_heads)](part_o, part_lse, o, o.stride(0), o.stride(1),
                                                 SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
