@@ -744,7 +744,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     if bulk_prepare_serves():
         assert set(state["dflash"].pop("length_sets")) == {"taken", "made", "replaced"}
     assert set(state["dflash"].pop("block_attention")) == {"backends", "routed_calls", "declined_calls", "plans_skipped",
-                                                           "served_whole"}
+                                                           "served_whole", "refused_tiles"}
     assert state["dflash"].pop("host_lengths") == []  # no backends built here
     assert state["dflash"].pop("draft_kv") == {"layout": "every position", "tokens": 123456, "window": None}
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
