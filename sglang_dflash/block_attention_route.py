@@ -130,12 +130,14 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Whether the block kernel takes these queries ``[bs * block, Hq, D]`` over these caches
     ``[slots, Hkv, D]``: one dtype throughout, a head size it serves, whole blocks and GQA groups,
     and a program's query tile (rows x head size) within ``tile_limit`` where one is set."""
-    return (q.dim() == 3 and k_cache.dim() == 3 and serves(q.shape[-1], q.dtype)
+    if not (q.dim() == 3 and k_cache.dim() == 3 and serves(q.shape[-1], q.dtype)
             and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
             and k_cache.shape[-1] == q.shape[-1] and v_cache.shape[-1] == q.shape[-1]
-            and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0
-            and fits(block, q.shape[1] // k_cache.shape[-2], q.shape[-1], q.dtype)
-            and (tile_limit is None or query_tile(block, q.shape[1] // k_cache.shape[-2], q.shape[-1]) <= tile_limit))
+            and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0):
+        return False
+    group, head_dim = q.shape[1] // k_cache.shape[-2], q.shape[-1]
+    return (fits(block, group, head_dim, q.dtype)
+            and (tile_limit is None or query_tile(block, group, head_dim) <= tile_limit))
 
 
 def query_tile(block: int, group: int, head_dim: int) -> int:
