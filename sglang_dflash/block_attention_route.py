@@ -368,14 +368,17 @@ def _route_flashinfer(backend) -> bool:
 
         def block_forward(q3, kv_cache, causal=True, sm_scale=None, window_left=-1, logits_soft_cap=None,
                           k_scale=None, v_scale=None, **rest):
+            def planned():
+                return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
+                                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
+
             k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
             block = q3.shape[0] // len(req_pool_indices)
             if (rest or window_left not in (-1, None) or logits_soft_cap or not unscaled(k_scale)
                     or not unscaled(v_scale) or k_cache is None or block < 1
                     or q3.shape[0] != block * len(req_pool_indices) or not kernel_takes(q3, k_cache, v_cache, block)):
                 decline()
-                return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
-                                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
+                return planned()
             scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
             try:
                 o = block_attention_by_table(
@@ -384,8 +387,7 @@ def _route_flashinfer(backend) -> bool:
             except TileTooLarge as err:
                 ROUTE.refuse(err)
                 declined[0] += capturing()
-                return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
-                                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
+                return planned()
             ROUTE.routed += 1
             return o
 
