@@ -180,6 +180,49 @@ def worker_steps_follow_plain_decoding(device: str, widths) -> None:
     assert multi > 5 and used == set(widths or [B])
 
 
+def check_refused_tile(device: str) -> None:
+    """A float32 64 x 256 query tile (the Qwen3.5-4B's block 16) needs 256 KB of shared memory a
+    program: a Hopper GPU (227 KB) refuses it as TileTooLarge before writing anything, the tile is
+    then declined (``fits``), and the bf16 tile of the same shape still runs and matches. Where the
+    device has room (the interpreter), the float32 tile must match the reference instead."""
+    from sglang_dflash.ops import block_attention
+    from sglang_dflash.ops.block_attention import _REFUSED, TileTooLarge, fits
+    from sglang_dflash.reference import block_attention as ref_block_attention
+
+    g = torch.Generator().manual_seed(1)
+    block, q_heads, kv_heads, dim = 16, 16, 4, 256
+    prefix = torch.tensor([40, 7])
+    kv_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
+    kv_indptr[1:] = prefix.cumsum(0)
+    slots = int(prefix.sum())
+    kv_indices = torch.randperm(slots, generator=g)
+    tokens = len(prefix) * block
+    q = torch.randn(tokens, q_heads, dim, generator=g)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(slots, kv_heads, dim, generator=g) for _ in range(2))
+    room = (torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+            if device == "cuda" else None)
+    _REFUSED.clear()
+    for dtype in (torch.float32, torch.bfloat16 if device == "cuda" else torch.float16):
+        args = [t.to(device, dtype) for t in (q, k, v)]
+        o = torch.full((tokens, q_heads, dim), 7.0, device=device, dtype=dtype)
+        cache = [t.to(device, dtype) for t in (kc, vc)]
+        try:
+            block_attention(*args, o, *cache, kv_indptr.to(device), kv_indices.to(device), block, dim ** -0.5, True)
+        except TileTooLarge:
+            assert dtype == torch.float32 and room is not None, (dtype, room)
+            assert not fits(block, q_heads // kv_heads, dim, dtype) and fits(block, q_heads // kv_heads, dim, torch.bfloat16)
+            assert bool((o == 7.0).all()), "a refused launch wrote its output"
+            print(f"float32 64 x 256 tile refused ({room // 1024} KB of shared memory a block)")
+            continue
+        assert dtype != torch.float32 or room is None or room >= 256 * 1024, f"not refused with {room} bytes"
+        want = ref_block_attention(q.to(dtype), k.to(dtype), v.to(dtype), kc.to(dtype), vc.to(dtype),
+                                   kv_indptr, kv_indices, block, dim ** -0.5, True)
+        err = (o.double().cpu() - want).abs().max().item()
+        assert err < (1e-5 if dtype == torch.float32 else 3e-2), (dtype, err)
+    _REFUSED.clear()
+
+
 def check_fp8_head(device: str) -> None:
     """The fp8 draft head's logits are the GEMM of its fp8 operands, and its argmax that of the
     16-bit head up to fp8's near-ties."""

@@ -15,7 +15,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.parametrize("check", [
-    "check_block_kernels", "check_accept_block_at_every_verify_width", "check_context_kv", "check_block_attention", "check_worker_steps_follow_plain_decoding",
+    "check_block_kernels", "check_accept_block_at_every_verify_width", "check_context_kv", "check_block_attention", "check_refused_tile", "check_worker_steps_follow_plain_decoding",
     "check_worker_steps_at_changing_widths_follow_plain_decoding"])
 def test_kernel_matches_reference_in_triton_interpreter(check):
     env = {**os.environ, "TRITON_INTERPRET": "1",

@@ -263,6 +263,7 @@ def test_triton_kernels_match_reference():
     kernel_checks.check_accept_block_at_every_verify_width("cuda")
     kernel_checks.check_context_kv("cuda")
     kernel_checks.check_block_attention("cuda")
+    kernel_checks.check_refused_tile("cuda")
     kernel_checks.check_worker_steps_follow_plain_decoding("cuda")
     kernel_checks.check_fp8_head("cuda")
     kernel_checks.check_draft_vocab_head_in_graph("cuda")
