@@ -180,6 +180,21 @@ def worker_steps_follow_plain_decoding(device: str, widths) -> None:
     assert multi > 5 and used == set(widths or [B])
 
 
+def _block_problem(g: torch.Generator, prefix: torch.Tensor, block: int, q_heads: int, kv_heads: int, dim: int,
+                   spare: int = 0):
+    """One verify's attention problem: a block of queries and keys per request, and each request's
+    prefix in shuffled cache slots (``spare`` of them left unused). Float32, on the CPU."""
+    kv_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
+    kv_indptr[1:] = prefix.cumsum(0)
+    slots = int(prefix.sum()) + spare
+    kv_indices = torch.randperm(slots, generator=g)[: int(prefix.sum())]
+    tokens = len(prefix) * block
+    q = torch.randn(tokens, q_heads, dim, generator=g)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(slots, kv_heads, dim, generator=g) for _ in range(2))
+    return q, k, v, kc, vc, kv_indptr, kv_indices
+
+
 def check_refused_tile(device: str) -> None:
     """A float32 64 x 256 query tile (the Qwen3.5-4B's block 16) needs 256 KB of shared memory a
     program: a Hopper GPU (227 KB) refuses it as TileTooLarge before writing anything, the tile is
@@ -189,17 +204,10 @@ def check_refused_tile(device: str) -> None:
     from sglang_dflash.ops.block_attention import _REFUSED, TileTooLarge, fits
     from sglang_dflash.reference import block_attention as ref_block_attention
 
-    g = torch.Generator().manual_seed(1)
     block, q_heads, kv_heads, dim = 16, 16, 4, 256
-    prefix = torch.tensor([40, 7])
-    kv_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
-    kv_indptr[1:] = prefix.cumsum(0)
-    slots = int(prefix.sum())
-    kv_indices = torch.randperm(slots, generator=g)
-    tokens = len(prefix) * block
-    q = torch.randn(tokens, q_heads, dim, generator=g)
-    k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
-    kc, vc = (torch.randn(slots, kv_heads, dim, generator=g) for _ in range(2))
+    q, k, v, kc, vc, kv_indptr, kv_indices = _block_problem(
+        torch.Generator().manual_seed(1), torch.tensor([40, 7]), block, q_heads, kv_heads, dim)
+    tokens = q.shape[0]
     room = (torch.cuda.get_device_properties(device).shared_memory_per_block_optin
             if device == "cuda" else None)
     _REFUSED.clear()
@@ -308,14 +316,9 @@ def check_block_attention(device: str) -> None:
              (16, 8, 1, True, 2, half, 256)]  # a 128 x 256 query tile: 8 warps (ops.block_attention.warps_for)
     for block, q_heads, kv_heads, causal, splits, dtype, dim in cases:
         prefix = torch.tensor([0, 1, 70, 33])
-        slots = int(prefix.sum()) + 10
-        kv_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
-        kv_indptr[1:] = prefix.cumsum(0)
-        kv_indices = torch.randperm(slots, generator=g)[: int(prefix.sum())]
-        tokens = len(prefix) * block
-        q, o = torch.randn(tokens, q_heads, dim, generator=g), torch.zeros(tokens, q_heads, dim)
-        k, v = (torch.randn(tokens, kv_heads, dim, generator=g) for _ in range(2))
-        kc, vc = (torch.randn(slots, kv_heads, dim, generator=g) for _ in range(2))
+        q, k, v, kc, vc, kv_indptr, kv_indices = _block_problem(g, prefix, block, q_heads, kv_heads, dim, spare=10)
+        tokens, slots = q.shape[0], kc.shape[0]
+        o = torch.zeros(tokens, q_heads, dim)
         args = [t.to(device, dtype) for t in (q, k, v, o, kc, vc)]
         block_attention(*args, kv_indptr.to(device), kv_indices.to(device), block, dim ** -0.5, causal, splits=splits)
         want = ref_block_attention(*(t.to(dtype) for t in (q, k, v, kc, vc)), kv_indptr, kv_indices, block,
