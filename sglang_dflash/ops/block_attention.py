@@ -184,9 +184,11 @@ class TileTooLarge(RuntimeError):
 _REFUSED: set = set()
 
 
-def fits(block: int, group: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """False once a launch of this tile has been refused (:class:`TileTooLarge`)."""
-    return (query_rows(block, group), head_dim, dtype) not in _REFUSED
+def fits(block: int, group: int, head_dim: int, dtype: torch.dtype, tile_limit: Optional[int] = None) -> bool:
+    """False once a launch of this tile has been refused (:class:`TileTooLarge`), or where the tile
+    (rows x head size) is over ``tile_limit``."""
+    rows = query_rows(block, group)
+    return (rows, head_dim, dtype) not in _REFUSED and (tile_limit is None or rows * head_dim <= tile_limit)
 
 
 def serves(head_dim: int, dtype: torch.dtype) -> bool:
