@@ -135,9 +135,7 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             and k_cache.shape[-1] == q.shape[-1] and v_cache.shape[-1] == q.shape[-1]
             and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0):
         return False
-    group, head_dim = q.shape[1] // k_cache.shape[-2], q.shape[-1]
-    return (fits(block, group, head_dim, q.dtype)
-            and (tile_limit is None or query_tile(block, group, head_dim) <= tile_limit))
+    return fits(block, q.shape[1] // k_cache.shape[-2], q.shape[-1], q.dtype, tile_limit)
 
 
 def query_tile(block: int, group: int, head_dim: int) -> int:
@@ -349,10 +347,6 @@ def _route_flashinfer(backend) -> bool:
     forward_extend = backend.forward_extend
     declined = [0]  # this backend's TARGET_VERIFY calls left to FlashInfer while a CUDA graph captured them
 
-    def decline():
-        declined[0] += capturing()
-        ROUTE.declined += 1
-
     def routed_forward_extend(q, k, v, layer, forward_batch, *args, **kwargs):
         metadata = getattr(backend, "forward_metadata", None)
         multi_item = getattr(metadata, "multi_item_params", None)
@@ -360,36 +354,24 @@ def _route_flashinfer(backend) -> bool:
                 or getattr(metadata, "use_ragged", True) or getattr(backend, "prefill_uses_dequant_workspace", False)
                 or multi_item is not None and multi_item.is_enabled()):
             if forward_batch.forward_mode.is_target_verify():
-                decline()
+                declined[0] += capturing()
+                ROUTE.declined += 1
             return forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
         wrapper = metadata.prefill_wrappers[backend._get_wrapper_idx(layer)]
         planned_forward = wrapper.forward
-        req_pool_indices, prefix_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
 
         def block_forward(q3, kv_cache, causal=True, sm_scale=None, window_left=-1, logits_soft_cap=None,
                           k_scale=None, v_scale=None, **rest):
-            def planned():
-                return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
-                                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
-
-            k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
-            block = q3.shape[0] // len(req_pool_indices)
-            if (rest or window_left not in (-1, None) or logits_soft_cap or not unscaled(k_scale)
-                    or not unscaled(v_scale) or k_cache is None or block < 1
-                    or q3.shape[0] != block * len(req_pool_indices) or not kernel_takes(q3, k_cache, v_cache, block)):
-                decline()
-                return planned()
-            scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-            try:
-                o = block_attention_by_table(
-                    q3, torch.empty_like(q3), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
-                    req_pool_indices, prefix_lens, block, scale, bool(causal))
-            except TileTooLarge as err:
-                ROUTE.refuse(err)
-                declined[0] += capturing()
-                return planned()
-            ROUTE.routed += 1
-            return o
+            plain = (not rest and window_left in (-1, None) and not logits_soft_cap
+                     and unscaled(k_scale) and unscaled(v_scale))
+            o = verify_by_table(backend, forward_batch, q3, kv_cache, causal, sm_scale) if plain else None
+            if o is not None:
+                return o
+            if not plain:
+                ROUTE.declined += 1
+            declined[0] += capturing()
+            return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
+                                   logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
 
         own = wrapper.__dict__.get("forward")
         wrapper.forward = block_forward  # for this call only
@@ -405,6 +387,28 @@ def _route_flashinfer(backend) -> bool:
     if skip_unused_plans():
         _skip_unused_replay_plans(backend, declined)
     return True
+
+
+def verify_by_table(backend, forward_batch, q3, kv_cache, causal, sm_scale) -> Optional[torch.Tensor]:
+    """One FlashInfer TARGET_VERIFY attention call on the block kernel over the request table, or None
+    (counted) where the kernel declines the call or the GPU refuses its tile: FlashInfer's planned
+    forward then serves it."""
+    req_pool_indices, prefix_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+    k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
+    block = q3.shape[0] // len(req_pool_indices)
+    if (k_cache is None or block < 1 or q3.shape[0] != block * len(req_pool_indices)
+            or not kernel_takes(q3, k_cache, v_cache, block)):
+        ROUTE.declined += 1
+        return None
+    scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    try:
+        o = block_attention_by_table(q3, torch.empty_like(q3), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
+                                     req_pool_indices, prefix_lens, block, scale, bool(causal))
+    except TileTooLarge as err:
+        ROUTE.refuse(err)
+        return None
+    ROUTE.routed += 1
+    return o
 
 
 def _skip_unused_replay_plans(backend, declined: list) -> None:

@@ -224,7 +224,7 @@ def _table_forward(backend, verify=True, causal=True, *args, **kwargs):
 @pytest.fixture
 def table_calls(monkeypatch, kernel_calls):
     calls = []
-    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: calls.append(args))
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: calls.append(args) or args[1])
     return calls
 
 
@@ -346,7 +346,7 @@ def _flashinfer_forward(backend, verify=True, causal=True, **kwargs):
 
 def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypatch):
     calls = []
-    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: calls.append(args))
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: calls.append(args) or args[1])
     monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
     backend = FlashInferAttnBackend()
     assert route.route_block_attention(backend)
@@ -373,6 +373,21 @@ def test_flashinfer_passes_take_the_block_kernel_over_the_request_table(monkeypa
     assert not route.route_block_attention(translating)  # its table holds ids, not cache rows
 
 
+def test_a_flashinfer_pass_whose_tile_the_gpu_refuses_goes_to_the_planned_wrapper(monkeypatch):
+    def refused(*args):
+        raise route.TileTooLarge("64 x 256 torch.float32 query tile: out of resource: shared memory")
+
+    monkeypatch.setattr(route, "block_attention_by_table", refused)
+    monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
+    backend = FlashInferAttnBackend()
+    assert route.route_block_attention(backend)
+    _flashinfer_forward(backend, causal=True)
+    _flashinfer_forward(backend, causal=False)
+    assert backend.wrapper.calls == [True, False]  # FlashInfer's planned forward served both
+    report = route.ROUTE.report()
+    assert report["routed_calls"] == 0 and report["declined_calls"] == 2 and len(report["refused_tiles"]) == 1
+
+
 def _replay(backend, verify=True, in_capture=False, ragged=None):
     spec_info = SimpleNamespace(ragged_verify_layout=ragged)
     backend.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=_mode(verify), spec_info=spec_info),
@@ -380,7 +395,7 @@ def _replay(backend, verify=True, in_capture=False, ragged=None):
 
 
 def test_flashinfer_replays_of_routed_passes_go_unplanned(monkeypatch):
-    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: None)
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: args[1])  # returns o, as the kernel does
     monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
     backend = FlashInferAttnBackend()
     assert route.route_block_attention(backend)
@@ -402,7 +417,7 @@ def test_flashinfer_replays_of_routed_passes_go_unplanned(monkeypatch):
 
 
 def test_the_scheduler_copies_no_host_lengths_for_a_backend_whose_replays_go_unplanned(monkeypatch):
-    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: None)
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: args[1])  # returns o, as the kernel does
     monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
     backend = FlashInferAttnBackend()
     assert route.as_the_scheduler_sees(backend) is backend  # not routed
@@ -435,7 +450,7 @@ def test_the_scheduler_copies_no_host_lengths_for_a_backend_whose_replays_go_unp
 
 @pytest.mark.parametrize("why", ["switched_off", "sliding_window_pool", "several_wrappers"])
 def test_flashinfer_replays_plan_where_the_skip_does_not_hold(monkeypatch, why):
-    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: None)
+    monkeypatch.setattr(route, "block_attention_by_table", lambda *args: args[1])  # returns o, as the kernel does
     monkeypatch.setattr(route, "ROUTE", route.BlockAttentionRoute())
     if why == "switched_off":
         monkeypatch.setenv("SGLANG_DFLASH_SKIP_UNUSED_PLANS", "0")
