@@ -25,6 +25,7 @@
 # 3-5 minutes, its three levels of 16 waves under a minute), and a level cut by the budget keeps the waves it finished.
 # LATER_START=SECONDS (bench, with BUDGET): what a later server's start is expected to take, in place of the slowest
 # start so far (a fresh machine's first start compiles the target's kernels for the later ones).
+# PACK=1: OUTDIR packed as OUTDIR.tgz at the end (a call returns at most 8 files from $OUT; a bench folder holds 7).
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
 mode=$1 weights=${2:?weights} backend=${3:?backend} out=${4:?outdir}
@@ -66,3 +67,8 @@ case $mode in
             --kv-cache-gb "$kv_gb" --server-args "$flags" --output-dir "$out" --summary "$out/summary.json" ;;
     *) echo "gpu_rig.sh: unknown mode $mode (profile or bench)" >&2; exit 2 ;;
 esac
+rc=$?
+if [ "${PACK:-0}" = 1 ] && [ -d "$out" ]; then
+    tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+fi
+exit $rc
