@@ -362,13 +362,10 @@ def _route_flashinfer(backend) -> bool:
 
         def block_forward(q3, kv_cache, causal=True, sm_scale=None, window_left=-1, logits_soft_cap=None,
                           k_scale=None, v_scale=None, **rest):
-            plain = (not rest and window_left in (-1, None) and not logits_soft_cap
-                     and unscaled(k_scale) and unscaled(v_scale))
-            o = verify_by_table(backend, forward_batch, q3, kv_cache, causal, sm_scale) if plain else None
+            o = verify_by_table(backend, forward_batch, q3, kv_cache, causal, sm_scale, window_left,
+                                logits_soft_cap, k_scale, v_scale, rest)
             if o is not None:
                 return o
-            if not plain:
-                ROUTE.declined += 1
             declined[0] += capturing()
             return planned_forward(q3, kv_cache, causal=causal, sm_scale=sm_scale, window_left=window_left,
                                    logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, **rest)
@@ -389,15 +386,17 @@ def _route_flashinfer(backend) -> bool:
     return True
 
 
-def verify_by_table(backend, forward_batch, q3, kv_cache, causal, sm_scale) -> Optional[torch.Tensor]:
-    """One FlashInfer TARGET_VERIFY attention call on the block kernel over the request table, or None
-    (counted) where the kernel declines the call or the GPU refuses its tile: FlashInfer's planned
-    forward then serves it."""
+def verify_by_table(backend, forward_batch, q3, kv_cache, causal, sm_scale, window_left, logits_soft_cap,
+                    k_scale, v_scale, rest: dict) -> Optional[torch.Tensor]:
+    """One FlashInfer TARGET_VERIFY attention call (the planned wrapper's arguments) on the block
+    kernel over the request table, or None (counted) where the kernel declines the call or the GPU
+    refuses its tile: FlashInfer's planned forward then serves it."""
     req_pool_indices, prefix_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
     k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else (None, None)
     block = q3.shape[0] // len(req_pool_indices)
-    if (k_cache is None or block < 1 or q3.shape[0] != block * len(req_pool_indices)
-            or not kernel_takes(q3, k_cache, v_cache, block)):
+    if (rest or window_left not in (-1, None) or logits_soft_cap or not unscaled(k_scale)
+            or not unscaled(v_scale) or k_cache is None or block < 1
+            or q3.shape[0] != block * len(req_pool_indices) or not kernel_takes(q3, k_cache, v_cache, block)):
         ROUTE.declined += 1
         return None
     scale = q3.shape[-1] ** -0.5 if sm_scale is None else sm_scale
