@@ -40,7 +40,7 @@ import torch
 from .compat import source_digest
 from .config import (block_attention_every_tile, block_attention_kernel, skip_host_lengths, skip_kv_copies,
                      skip_unused_plans)
-from .ops.block_attention import TileTooLarge, block_attention, block_attention_by_table, fits, query_rows, serves
+from .ops.block_attention import TileTooLarge, block_attention, block_attention_by_table, fits, serves
 
 logger = logging.getLogger("sglang_dflash")
 
@@ -136,11 +136,6 @@ def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             and q.shape[0] % block == 0 and q.shape[1] % k_cache.shape[-2] == 0):
         return False
     return fits(block, q.shape[1] // k_cache.shape[-2], q.shape[-1], q.dtype, tile_limit)
-
-
-def query_tile(block: int, group: int, head_dim: int) -> int:
-    """Elements of one program's query tile, and of its float32 accumulator (ops.block_attention)."""
-    return query_rows(block, group) * head_dim
 
 
 def route_block_attention(backend) -> bool:

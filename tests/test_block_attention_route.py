@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sglang_dflash import block_attention_route as route, compat
+from sglang_dflash.ops.block_attention import query_rows
 
 BLOCK, Q_HEADS, KV_HEADS, DIM = 4, 8, 2, 64
 
@@ -129,13 +130,18 @@ def test_a_hybrid_targets_attention_layers_take_the_block_kernel(kernel_calls):
     assert full.sglang_calls == [True] and len(kernel_calls) == 1
 
 
+def query_tile(block: int, group: int, head_dim: int) -> int:
+    """Elements of one program's query tile: the unit of ``route.HYBRID_TILE_LIMIT``."""
+    return query_rows(block, group) * head_dim
+
+
 def test_behind_a_hybrid_wrapper_tiles_beyond_the_measured_one_stay_with_sglang(kernel_calls, monkeypatch):
-    assert route.query_tile(16, 4, 256) < route.HYBRID_TILE_LIMIT  # the Qwen3.5-4B shape
-    assert route.query_tile(16, 8, 256) == route.HYBRID_TILE_LIMIT  # Qwen3.6-35B-A3B: 16/2 heads of 256, timed
-    assert route.query_tile(16, 6, 256) == route.HYBRID_TILE_LIMIT  # Qwen3.5-27B: 24/4, timed
-    assert route.query_tile(16, 16, 256) > route.HYBRID_TILE_LIMIT  # a group of 16: never timed
-    assert route.query_tile(1, 2, 64) == 16 * 64
-    monkeypatch.setattr(route, "HYBRID_TILE_LIMIT", route.query_tile(BLOCK, Q_HEADS // KV_HEADS, DIM) - 1)
+    assert query_tile(16, 4, 256) < route.HYBRID_TILE_LIMIT  # the Qwen3.5-4B shape
+    assert query_tile(16, 8, 256) == route.HYBRID_TILE_LIMIT  # Qwen3.6-35B-A3B: 16/2 heads of 256, timed
+    assert query_tile(16, 6, 256) == route.HYBRID_TILE_LIMIT  # Qwen3.5-27B: 24/4, timed
+    assert query_tile(16, 16, 256) > route.HYBRID_TILE_LIMIT  # a group of 16: never timed
+    assert query_tile(1, 2, 64) == 16 * 64
+    monkeypatch.setattr(route, "HYBRID_TILE_LIMIT", query_tile(BLOCK, Q_HEADS // KV_HEADS, DIM) - 1)
     full = TritonAttnBackend()
     assert route.route_block_attention(HybridLinearAttnBackend(full))
     _forward(HybridLinearAttnBackend(full))
