@@ -746,10 +746,18 @@ def learn_step(policy, fallback, width: int, bs: int, rids: Sequence, widths: Op
 
 def make_width_policy(kind: str, block_size: int, widths: Sequence[int], fallback: str = "on"):
     """``throughput`` (:class:`WidthPolicy`), ``awake`` (the same, never sleeping), ``cycle``
-    (:class:`CyclingWidths`, a new width every step) or ``cycle:N`` (each width for N steps in turn).
-    With the fallback forced (``fallback`` ``force``, a lossless check's pattern) no bucket sleeps
-    either: a sleeping step would skip the pattern."""
+    (:class:`CyclingWidths`, a new width every step), ``cycle:N`` (each width for N steps in turn)
+    or ``hold:W`` (width W every step, one of ``widths``). With the fallback forced (``fallback``
+    ``force``, a lossless check's pattern) no bucket sleeps either: a sleeping step would skip the
+    pattern."""
     name, _, hold = kind.partition(":")
     if name == "cycle":
         return CyclingWidths(widths, int(hold or 1))
+    if name == "hold":
+        if int(hold) not in widths:
+            from .config import WIDTH_POLICY_ENV, DFlashConfigError
+
+            raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r}: width {hold} is not one of the verify widths "
+                                                      f"{', '.join(map(str, widths))}")
+        return CyclingWidths((int(hold),))
     return WidthPolicy(block_size, widths, sleeps=name != "awake" and fallback != "force")

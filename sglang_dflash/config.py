@@ -52,10 +52,11 @@ HYBRID_DECODE_ENV = "SGLANG_DFLASH_HYBRID_DECODE"
 # a list holding B, e.g. "16,4,1". --speculative-num-draft-tokens fixes the block (set to "fixed"
 # at launch). And how a width is chosen: "throughput" (the default), "awake" (the same, its
 # buckets never sleeping: A/B runs), "cycle" (the next width every step, for lossless checks
-# across switches) or "cycle:N" (N steps a width, timed apart).
+# across switches), "cycle:N" (N steps a width, timed apart) or "hold:W" (width W every step: a
+# width's loop timed against plain decoding's).
 WIDTHS_ENV = "SGLANG_DFLASH_WIDTHS"
 WIDTH_POLICY_ENV = "SGLANG_DFLASH_WIDTH_POLICY"
-WIDTH_POLICIES = ("throughput", "awake", "cycle")
+WIDTH_POLICIES = ("throughput", "awake", "cycle", "hold")
 FALLBACK_ENV = "SGLANG_DFLASH_FALLBACK"
 FALLBACK_MODES = ("on", "off", "force")
 RAGGED_ENV = "SGLANG_DFLASH_RAGGED"
@@ -186,9 +187,11 @@ def admissions_as_plain_decoding(args) -> dict:
 def width_policy_kind() -> str:
     kind = os.environ.get(WIDTH_POLICY_ENV, "throughput").strip().lower() or "throughput"
     name, colon, hold = kind.partition(":")
-    if name not in WIDTH_POLICIES or (colon and (name != "cycle" or not hold.isdigit() or int(hold) < 1)):
-        raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of {', '.join(WIDTH_POLICIES)} "
-                                                  "or cycle:N (N steps a width)")
+    numbered = hold.isdigit() and int(hold) >= 1
+    if name not in WIDTH_POLICIES or (colon and (name not in ("cycle", "hold") or not numbered)) \
+            or (name == "hold" and not colon):
+        raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r} is not one of throughput, awake, cycle, "
+                                                  "cycle:N (N steps a width) or hold:W (width W every step)")
     return kind
 
 

@@ -582,12 +582,14 @@ def test_the_verify_widths_switch(monkeypatch):
         monkeypatch.setenv(WIDTHS_ENV, bad)
         with pytest.raises(DFlashConfigError, match=r"^SGLANG_DFLASH_WIDTHS: "):
             verify_widths(16)
-    for bad in ("greedy", "cycle:0", "cycle:x", "throughput:4"):
+    for bad in ("greedy", "cycle:0", "cycle:x", "throughput:4", "hold", "hold:0", "hold:x"):
         monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", bad)
-        with pytest.raises(DFlashConfigError, match="not one of throughput, awake, cycle or cycle:N"):
+        with pytest.raises(DFlashConfigError, match="not one of throughput, awake, cycle, cycle:N .* or hold:W"):
             width_policy_kind()
     monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", " Cycle:8 ")
     assert width_policy_kind() == "cycle:8"
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", "hold:1")
+    assert width_policy_kind() == "hold:1"
 
 
 def test_the_cycling_policy_changes_width_every_step():
@@ -601,6 +603,17 @@ def test_the_cycling_policy_changes_width_every_step():
     assert isinstance(make_width_policy("throughput", 16, (16, 8)), WidthPolicy)
     assert make_width_policy("throughput", 16, (16, 8)).sleeps and not make_width_policy("awake", 16, (16, 8)).sleeps
     assert not make_width_policy("throughput", 16, (16, 8, 1), "force").sleeps  # the forced pattern every step
+
+
+def test_a_held_width_runs_every_step_and_must_be_a_verify_width():
+    """``hold:W``: width W every step (a width's loop timed against plain decoding's)."""
+    from sglang_dflash.adaptive import make_width_policy
+    from sglang_dflash.config import DFlashConfigError
+
+    policy = make_width_policy("hold:1", 16, (16, 8, 4, 2, 1))
+    assert [policy.choose(bs=4) for _ in range(5)] == [1] * 5 and policy.sleeping(4) is None
+    with pytest.raises(DFlashConfigError, match=r"^SGLANG_DFLASH_WIDTH_POLICY: 'hold:4': width 4 is not one of"):
+        make_width_policy("hold:4", 16, (16, 1))
 
 
 def test_a_held_cycle_times_the_step_after_a_switch_apart_from_the_steady_ones():

@@ -40,6 +40,11 @@ IMPLEMENTATIONS = {
     # turn, 8 steps each, whose costs nothing chose (/get_server_info's step_ms).
     "adaptive-16-1": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "16,1",
                                                               "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
+    # The plugin's loop at width 1 every step (a plain DECODE, no draft pass, no fallback): its step
+    # against plain decoding's at the same batch, what bounds the default where drafts land poorly.
+    "plugin-width1": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                                                              "SGLANG_DFLASH_WIDTH_POLICY": "hold:1",
+                                                              "SGLANG_DFLASH_FALLBACK": "off"}),
     "adaptive-cycle8": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                 "SGLANG_DFLASH_WIDTH_POLICY": "cycle:8"}),
     # Where the default's longer steps at full width come from (2026-11-28: 1-5% a step at c32 on
