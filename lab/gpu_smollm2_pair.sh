@@ -17,6 +17,7 @@
 #                                          IMPLS CONC (4) STEPS (40) SET (gsm8k, or a comma list: mixed)
 #                                          LIGHT (--light-too) NAME; WAVE=1 one whole wave (with LIGHT=--light:
 #                                          its timeline, any server), EOS=1 requests end at EOS as in the sweeps
+# ATTENTION (fa3): the servers' attention backend; triton needs no FA3 parts staged.
 # Results go to $OUT/NAME. Pool them with python -m sglang_dflash.bench.pool.
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 set -uo pipefail
@@ -34,7 +35,7 @@ fi
 [ "$mode" = stage ] && { echo "gpu_smollm2_pair: staged"; exit 0; }
 [ -f .smol-pdraft/model.safetensors ] || { echo "gpu_smollm2_pair: carry .smol-pdraft" >&2; exit 2; }
 mkdir -p /tmp/smol-draft && cp .smol-pdraft/* /tmp/smol-draft/
-server="--attention-backend fa3 --grammar-backend none --cuda-graph-max-bs-decode 64 --max-running-requests 64 --max-total-tokens 65536 --log-level warning"
+server="--attention-backend ${ATTENTION:-fa3} --grammar-backend none --cuda-graph-max-bs-decode 64 --max-running-requests 64 --max-total-tokens 65536 --log-level warning"
 mkdir -p "$out"
 git log --oneline -1 > "$out/commit.txt" 2>/dev/null || true
 case $mode in
