@@ -356,18 +356,22 @@ def test_wave_tails_sets_the_slowest_requests_steps_beside_the_ratio(tmp_path, c
     wave_tails = load_lab("wave_tails")
     # One wave of 2 a server: plain decoding 256 steps a request (255 after the first token); the
     # speculative server's requests 50 and 100 steps, its wave at 1.5x plain decoding's tok/s.
-    spec = {"label": "adaptive", "dataset": "mix", "concurrency": 2, "wave_tok_s": [150.0],
-            "accept_length": 3.4, "per_request": [[256, 50], [256, 100]]}
-    plain = {"label": "ar", "dataset": "mix", "concurrency": 2, "wave_tok_s": [100.0],
+    # The policy's step_ms after the level: bucket 2's full width and width 1, bucket 4's left out.
+    info = {"dflash": {"adaptive": {"step_ms": {"16@2": 3.4, "1@2": 2.6, "16@4": 9.9, "1@1": 9.9}}}}
+    spec = {"label": "adaptive", "dataset": "mix", "concurrency": 2, "wave_tok_s": [150.0], "step_p50_ms": 3.6,
+            "accept_length": 3.4, "per_request": [[256, 50], [256, 100]], "server_after": info}
+    plain = {"label": "ar", "dataset": "mix", "concurrency": 2, "wave_tok_s": [100.0], "step_p50_ms": 2.0,
              "accept_length": None, "per_request": [[256, 0], [256, 0]]}
     reading = wave_tails.level_reading(spec, plain)
     assert reading["ratio"] == 1.5 and reading["steps_ratio_slowest"] == 2.55 and reading["steps_ratio_mean"] == 3.4
     assert reading["step_cost_a_over_b"] == 1.7  # 2.55 fewer steps for the wave, 1.5x its speed
+    assert reading["step_cost_measured"] == 1.8 and reading["policy_step_ms"] == {"full": 3.4, "1": 2.6}
+    assert wave_tails.level_reading({**spec, "server_after": None, "step_p50_ms": None}, plain)["policy_step_ms"] == {}
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"rows": [spec, plain]}))
     monkeypatch.setattr(sys, "argv", ["wave_tails", str(path)])
     wave_tails.main()
-    assert "| mix | 2 | 1 | 1.500 | 2.55 | 3.40 | 1.70 | 3.40 |" in capsys.readouterr().out
+    assert "| mix | 2 | 1 | 1.500 | 2.55 | 3.40 | 1.70 | 1.80 | 3.40, 2.60 | 3.40 |" in capsys.readouterr().out
 
 
 def test_the_compile_cache_comes_back_in_one_file_beside_the_runs_logs_and_unpacks_on_the_next_machine(tmp_path):
