@@ -754,10 +754,8 @@ def make_width_policy(kind: str, block_size: int, widths: Sequence[int], fallbac
     if name == "cycle":
         return CyclingWidths(widths, int(hold or 1))
     if name == "hold":
-        if int(hold) not in widths:
-            from .config import WIDTH_POLICY_ENV, DFlashConfigError
+        from .config import check_held_width
 
-            raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r}: width {hold} is not one of the verify widths "
-                                                      f"{', '.join(map(str, widths))}")
+        check_held_width(kind, widths)
         return CyclingWidths((int(hold),))
     return WidthPolicy(block_size, widths, sleeps=name != "awake" and fallback != "force")

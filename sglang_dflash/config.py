@@ -195,6 +195,14 @@ def width_policy_kind() -> str:
     return kind
 
 
+def check_held_width(kind: str, widths: Sequence[int]) -> None:
+    """``hold:W`` holds a width the step may verify: one of ``widths``."""
+    name, _, width = kind.partition(":")
+    if name == "hold" and int(width) not in widths:
+        raise DFlashConfigError(WIDTH_POLICY_ENV, f"{kind!r}: width {width} is not one of the verify widths "
+                                                  f"{', '.join(map(str, widths))}")
+
+
 def draft_fallback(widths: tuple[int, ...]) -> str:
     """The per-request fallback (:class:`~sglang_dflash.fallback.DraftHealth`): ``on`` by default
     when width 1 is among the verify widths (a batch whose every request falls back must run a
@@ -766,8 +774,8 @@ def validate_server_args(server_args, release) -> tuple[DFlashDraftConfig, Targe
     if draft_ring() and window is None:
         raise DFlashConfigError(DRAFT_RING_ENV, "bounds draft KV by the draft window: it needs "
                                                 "--speculative-draft-window-size")
-    verify_widths(config.block_size)  # the experimental switches, checked before any process starts
-    width_policy_kind()
+    # the experimental switches, checked before any process starts
+    check_held_width(width_policy_kind(), verify_widths(config.block_size))
     from .gdn_state import keeps_state_in_snapshots
 
     keeps_state_in_snapshots()

@@ -692,6 +692,19 @@ def test_the_draft_ring_without_a_draft_window_stops_at_start(tmp_path, monkeypa
     assert seen == [args]
 
 
+def test_a_held_width_the_step_cannot_verify_stops_at_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTHS", "16,1")
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", "hold:4")
+    with pytest.raises(SystemExit, match="^sglang-dflash: SGLANG_DFLASH_WIDTH_POLICY: 'hold:4': width 4 is not "
+                                         "one of the verify widths 16, 1$"):
+        integration.handle_dflash_args_hook(lambda a: None, server_args(tmp_path / "a"))
+    monkeypatch.setenv("SGLANG_DFLASH_WIDTH_POLICY", "hold:1")
+    seen = []
+    args = server_args(tmp_path / "b")
+    integration.handle_dflash_args_hook(seen.append, args)
+    assert seen == [args]
+
+
 def test_a_plain_server_times_its_worker_calls_by_mode_only_when_asked(monkeypatch):
     """SGLANG_DFLASH_LEDGER=1: plain decoding's side of a profile. The hook is registered only then,
     and it counts nothing on a speculative server (the plugin's own target calls, EAGLE, the built-in)."""
