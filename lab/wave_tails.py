@@ -20,6 +20,7 @@ import json
 from statistics import geometric_mean
 from typing import Optional
 
+from sglang_dflash.adaptive import bucket
 from sglang_dflash.bench.stats import wave_tails
 
 
@@ -42,18 +43,11 @@ def level_reading(a: dict, b: dict) -> Optional[dict]:
 
 def policy_step_ms(row: dict) -> dict:
     """What the server's width policy timed at the level's batch size, ms: ``{"full": .., "1": ..}``
-    from ``/get_server_info`` after the level (``step_ms`` keys ``WIDTH@BUCKET``), where it has them."""
-    found, todo = None, [row.get("server_after")]
-    while todo and found is None:
-        node = todo.pop()
-        if isinstance(node, dict):
-            found = node.get("step_ms") if isinstance(node.get("step_ms"), dict) else None
-            todo.extend(node.values())
-        elif isinstance(node, list):
-            todo.extend(node)
+    from ``/get_server_info`` after the level (``dflash.step_ms``, keys ``WIDTH@BUCKET``), where it has them."""
+    found = ((row.get("server_after") or {}).get("dflash") or {}).get("step_ms")
     if not found:
         return {}
-    at = 1 << (row["concurrency"] - 1).bit_length()  # the policy's batch-size bucket
+    at = bucket(row["concurrency"])
     widths = {int(k.split("@")[0]): v for k, v in found.items() if k.endswith(f"@{at}")}
     return {key: widths[w] for key, w in (("full", max(widths, default=None)), ("1", 1)) if w in widths}
 

@@ -357,7 +357,7 @@ def test_wave_tails_sets_the_slowest_requests_steps_beside_the_ratio(tmp_path, c
     # One wave of 2 a server: plain decoding 256 steps a request (255 after the first token); the
     # speculative server's requests 50 and 100 steps, its wave at 1.5x plain decoding's tok/s.
     # The policy's step_ms after the level: bucket 2's full width and width 1, bucket 4's left out.
-    info = {"dflash": {"adaptive": {"step_ms": {"16@2": 3.4, "1@2": 2.6, "16@4": 9.9, "1@1": 9.9}}}}
+    info = {"dflash": {"step_ms": {"16@2": 3.4, "1@2": 2.6, "16@4": 9.9, "1@1": 9.9}}}
     spec = {"label": "adaptive", "dataset": "mix", "concurrency": 2, "wave_tok_s": [150.0], "step_p50_ms": 3.6,
             "accept_length": 3.4, "per_request": [[256, 50], [256, 100]], "server_after": info}
     plain = {"label": "ar", "dataset": "mix", "concurrency": 2, "wave_tok_s": [100.0], "step_p50_ms": 2.0,
