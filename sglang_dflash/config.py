@@ -32,6 +32,9 @@ BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # 0 = FlashInfer still plans its prefill wrapper before every replay of a DFLASH pass that the block
 # kernel serves whole, though the kernel reads nothing the plan makes (A/B runs).
 SKIP_UNUSED_PLANS_ENV = "SGLANG_DFLASH_SKIP_UNUSED_PLANS"
+# 0 = the draft pass replayed through SGLang's graph runner (its host set-up, about 1 ms a step), not
+# the plugin's own CUDA graphs fed in place by the block set-up (draft_graph.py; A/B runs).
+DRAFT_GRAPHS_ENV = "SGLANG_DFLASH_DRAFT_GRAPHS"
 # 0 = a Triton pass the block kernel serves by the request table still goes through SGLang's
 # forward_extend, which copies each layer's K/V into contiguous tensors the kernel never reads (A/B runs).
 SKIP_KV_COPIES_ENV = "SGLANG_DFLASH_SKIP_KV_COPIES"
@@ -102,6 +105,10 @@ def block_attention_every_tile() -> bool:
 
 def skip_unused_plans() -> bool:
     return os.environ.get(SKIP_UNUSED_PLANS_ENV, "1") != "0"
+
+
+def own_draft_graphs() -> bool:
+    return os.environ.get(DRAFT_GRAPHS_ENV, "1") != "0"
 
 
 def skip_kv_copies() -> bool:

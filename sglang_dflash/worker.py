@@ -68,13 +68,14 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
-from .config import (DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError, TargetInfo,
-                     context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, hybrid_decode, ragged_verify,
-                     verify_widths, widths_by_default, width_policy_kind)
+from .config import (DRAFT_GRAPHS_ENV, DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
+                     TargetInfo, context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, hybrid_decode,
+                     own_draft_graphs, ragged_verify, verify_widths, widths_by_default, width_policy_kind)
 from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
+from .draft_graph import DraftGraphUnserved, DraftPassGraphs
 from .draft_input import bulk_prepare_serves, draft_input_class, length_sets_report, make_draft_input
 from .fallback import make_fallback
 from .gdn_state import SnapshotState, install_verify_redirect, keeps_state_in_snapshots
@@ -136,6 +137,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
     joined = 0
     # Hybrid GDN targets: each request's SSM state kept in the verify's snapshot rows (gdn_state)
     gdn_state: Optional[SnapshotState] = None
+    # The draft pass in the plugin's own CUDA graphs (draft_graph.py), or why SGLang's runner replays it
+    draft_graphs: Optional[DraftPassGraphs] = None
+    draft_graphs_off: Optional[str] = None
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
         super().__init__()  # ``ps`` (parallel state) comes up to SGLang 0.5.20 only
@@ -364,6 +368,10 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         if self.head_in_graph:
             self.draft_model_runner.capture_tail_hooks.append(self.draft_head.capture_hook)
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+        self.draft_graphs, self.draft_graphs_off = self._capture_draft_graphs(capture, graphs.bs if capture else ())
+        if get_parallel().tp_rank == 0:
+            logger.info("DFLASH draft pass: %s", "the plugin's own CUDA graphs" if self.draft_graphs is not None
+                        else f"SGLang's graph runner ({self.draft_graphs_off})")
         fa3 = "FlashAttention" in type(full_attention(self.model_runner.attn_backend)).__name__
         if self.width_policy is not None and not self.ragged and not capture and fa3:
             # FA3's eager verify assumes the width its backend was built with.
@@ -372,6 +380,31 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self._build_width_pairs(capture)
         # Every width's accept kernel before serving: a width first chosen minutes in must not compile then.
         load_accept_block(self.widths, self.device)
+
+    def _capture_draft_graphs(self, capture: bool, sizes) -> tuple[Optional[DraftPassGraphs], Optional[str]]:
+        """The draft pass in the plugin's own graphs (:mod:`sglang_dflash.draft_graph`), or None and why not."""
+        if not own_draft_graphs():
+            return None, f"{DRAFT_GRAPHS_ENV}=0"
+        why = ("no decode CUDA graphs" if not capture else
+               "the greedy head runs outside the graph" if not self.head_in_graph else
+               "the draft attends to a window" if self.window is not None else
+               "tensor parallel" if self.draft_head.tp_size > 1 else
+               "DP attention" if getattr(self.server_args, "enable_dp_attention", False) else None)
+        if why is not None:
+            return None, why
+        runner = self.draft_model_runner
+        try:
+            graphs = DraftPassGraphs(
+                embed=self.model_runner.model.get_input_embeddings(), draft_model=self.draft_model,
+                attn_backend=runner.attn_backend, head=self.draft_head, block_size=self.block_size, sizes=sizes,
+                device=self.device, pad_len=getattr(runner.decode_cuda_graph_runner, "seq_len_fill_value", 1))
+            graphs.capture(bind_plan=lambda forward_batch: self.release.bind_draft_plan(runner, forward_batch))
+        except DraftGraphUnserved as err:
+            return None, str(err)
+        except RuntimeError as err:  # a capture CUDA refused: the runner's graphs still serve
+            logger.warning("DFLASH draft graphs not captured: %s", err)
+            return None, f"capture failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        return graphs, None
 
     def _build_width_pairs(self, capture: bool) -> None:
         """A target backend and verify graphs per narrower width. Without graphs FA3 cannot verify
@@ -405,6 +438,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
+                "draft_graphs": ({"replays": self.draft_graphs.replays, "sizes": list(self.draft_graphs.sizes)}
+                                 if self.draft_graphs is not None else self.draft_graphs_off),
                 "prefills": self.prefills, "prefills_in_graphs": self.prefills_in_graphs,
                 "stalls": self.stalls.report(), "bulk_prepare": bulk_prepare_serves(),
                 "block_attention": BLOCK_ROUTE.report(), "host_lengths": self.host_lengths_copied(),
@@ -610,10 +645,17 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             positions, cache_loc = bufs["positions"].view(-1)[:bs], bufs["cache_loc"].view(-1)[:bs].view(bs, 1)
             self._prepare_block(batch, candidates, positions.view(bs, 1), cache_loc)
             return DraftBlock(candidates, positions, cache_loc, seq_lens_cpu)
-        block_ids, positions, cache_loc = bufs["block_ids"], bufs["positions"], bufs["cache_loc"]
+        graphs = self.draft_graphs if self.draft_graphs is not None and self.draft_graphs.serves(bs) else None
+        if graphs is not None:  # the block set-up writes the graph's own inputs
+            block_ids, positions, cache_loc = graphs.inputs(bs)
+        else:
+            block_ids, positions, cache_loc = bufs["block_ids"], bufs["positions"], bufs["cache_loc"]
         self._prepare_block(batch, block_ids, positions, cache_loc)
         candidates[:, :1].copy_(block_ids[:, :1])
-        drafts = self.run_draft(batch, block_ids, positions, cache_loc, seq_lens_cpu)
+        if graphs is not None:
+            drafts = graphs.replay(batch.req_pool_indices, batch.seq_lens)
+        else:
+            drafts = self.run_draft(batch, block_ids, positions, cache_loc, seq_lens_cpu)
         candidates[:, 1:].copy_(drafts.view(bs, B - 1)[:, : width - 1])
         if width < B:
             return DraftBlock(candidates, positions[:, :width].reshape(-1), cache_loc[:, :width].contiguous(),

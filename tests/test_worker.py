@@ -672,6 +672,7 @@ def test_the_accept_kernel_of_every_width_served_is_built_with_the_cuda_graphs(m
     worker.draft_model = None
     worker._draft_worker = SimpleNamespace(init_cuda_graphs=lambda capture_decode_cuda_graph: None)
     worker._build_width_pairs = lambda capture: None
+    worker._capture_draft_graphs = lambda capture, sizes: (None, "not under test")
     DFlashWorker.init_cuda_graphs(worker)
     assert built == [widths] and worker.widths == widths
 
@@ -747,6 +748,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
                                                            "served_whole", "refused_tiles"}
     assert state["dflash"].pop("host_lengths") == []  # no backends built here
     assert state["dflash"].pop("draft_kv") == {"layout": "every position", "tokens": 123456, "window": None}
+    assert state["dflash"].pop("draft_graphs") is None  # neither graphs nor a reason: this worker never set them up
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
                                "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
@@ -759,6 +761,10 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     fixed = integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]
     fixed.pop("bulk_prepare"), fixed.pop("block_attention"), fixed.pop("host_lengths"), fixed.pop("draft_kv")
     fixed.pop("length_sets", None)
+    worker.draft_graphs_off = "no decode CUDA graphs"
+    assert integration.server_info_hook(sglang_state, scheduler, None).internal_state["dflash"]["draft_graphs"] == \
+        "no decode CUDA graphs"
+    fixed.pop("draft_graphs")
     assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
     assert fixed.pop("verify_track") == {"skipped": 3} and fixed.pop("gdn_state") == "commit"
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,

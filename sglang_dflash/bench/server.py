@@ -60,6 +60,12 @@ IMPLEMENTATIONS = {
     "adaptive-verify1": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                  "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                  "SGLANG_DFLASH_HYBRID_DECODE": "0"}),
+    # The default with the draft pass replayed by SGLang's graph runner, not the plugin's own graphs
+    # (A/B of SGLANG_DFLASH_DRAFT_GRAPHS: the same drafts, the runner's host set-up each step).
+    "adaptive-runner-drafts": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin",
+                                                                       "SGLANG_DFLASH_WIDTHS": "auto",
+                                                                       "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
+                                                                       "SGLANG_DFLASH_DRAFT_GRAPHS": "0"}),
     # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, 2026-11-29).
     "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),
