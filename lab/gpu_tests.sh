@@ -2,7 +2,10 @@
 # GPU test run on the lent machine: bash lab/gpu_tests.sh [pytest -k expression]
 # The kit: lab/build-gpu-kit.sh parts carried in back-to-back runs (lab/gpu_setup.sh; SGLANG_VERSION picks the release).
 # Results (JSON evidence, server logs) go to $OUT when set, else ./gpu-results. Each fits one 10-minute run:
-#   bash lab/gpu_tests.sh "not bfloat16 and not reliability"   # triton kernels, fp32 lossless, sampling, KV
+#   bash lab/gpu_tests.sh "not bfloat16 and not reliability and not draft_graphs"
+#                                # triton kernels, fp32 lossless, sampling, KV
+#   bash lab/gpu_tests.sh draft_graphs                          # fp32: the plugin's draft graphs against
+#                                # SGLang's runner, the same verify steps request by request
 #   bash lab/gpu_tests.sh bfloat16                              # bf16 near-tie rule, plugin and built-in
 #   DFLASH_TARGET=/tmp/smollm2 DFLASH_DRAFT=/tmp/smol-draft bash lab/gpu_tests.sh reliability
 #                                # odd requests (AR, built-in, plugin), the openai client, c64 load with

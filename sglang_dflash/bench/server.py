@@ -66,6 +66,11 @@ IMPLEMENTATIONS = {
                                                                        "SGLANG_DFLASH_WIDTHS": "auto",
                                                                        "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                        "SGLANG_DFLASH_DRAFT_GRAPHS": "0"}),
+    # The default with its draft on Triton where the server's attention is another (fa3, flashinfer): the
+    # draft pass then goes by the block kernel and the plugin's own graphs (draft_graph.py).
+    "adaptive-triton-draft": (["--speculative-algorithm", "DFLASH", "--speculative-draft-attention-backend", "triton"],
+                              {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
+                               "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
     # The default with buckets that never sleep (A/B of WidthPolicy.sleeping, 2026-11-29).
     "adaptive-awake": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                                                "SGLANG_DFLASH_WIDTH_POLICY": "awake"}),

@@ -115,7 +115,7 @@ def stop_workload(vocab):
     return work
 
 
-def server_spec(impl, dtype, block=16, extra=()):
+def server_spec(impl, dtype, block=16, extra=(), env_extra=()):
     target, draft, _ = tiny_pair()
     # float32 needs SGLang's torch RMSNorm (its CUDA kernel has no fp32 path): same for every impl.
     fp32 = dtype == "float32"
@@ -124,18 +124,18 @@ def server_spec(impl, dtype, block=16, extra=()):
     env = {"SGLANG_DFLASH_FP32_NORM": "1", "TRITON_F32_DEFAULT": "ieee"} if fp32 else {}
     graphs = ["--cuda-graph-max-bs-decode", "8"] if fp32 else []  # fp32 capture of 32 sizes stalled once
     if impl == "plugin":
-        env = {**env, **PLUGIN_ENV}
+        env = {**env, **PLUGIN_ENV, **dict(env_extra)}
     return ServerSpec(impl, target, draft if impl != "ar" else None, block if impl != "ar" else None,
                       COMMON + ["--dtype", dtype, *graphs, *extra], env)
 
 
 @lru_cache(maxsize=None)
-def collect(impl, dtype, block=16, extra=()):
+def collect(impl, dtype, block=16, extra=(), env_extra=()):
     """Start one server, run the greedy, stop and sampling workloads, stop it; returns the outputs."""
     _, _, vocab = tiny_pair()
-    name = f"{impl}-{dtype}-b{block}{''.join(extra)}"
+    name = f"{impl}-{dtype}-b{block}{''.join(extra)}{''.join(f'-{k}={v}' for k, v in env_extra)}"
     out = {}
-    with Server(server_spec(impl, dtype, block, extra), log_path=os.path.join(RESULTS, f"server-{name}.log"),
+    with Server(server_spec(impl, dtype, block, extra, env_extra), log_path=os.path.join(RESULTS, f"server-{name}.log"),
                 timeout_s=600) as server:
         out["greedy"], out["greedy_wall_s"] = run_requests(server.url, [greedy(p) for p in prompts(N_PROMPTS, vocab)], 32)
         out["stops"], _ = run_requests(server.url, stop_workload(vocab), 16)
@@ -145,6 +145,7 @@ def collect(impl, dtype, block=16, extra=()):
         out["loads_after"] = kv_loads(server.url)
         dflash = server_info(server.url).get("dflash") or {}
         out["prefills"] = {k: dflash[k] for k in ("prefills", "prefills_in_graphs") if k in dflash}
+        out["draft_graphs"] = dflash.get("draft_graphs")
     return out
 
 
@@ -318,6 +319,23 @@ def test_temperature_sampling_follows_target_distribution():
         tv.append(0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b)))
     save("sampling_tv.json", {"samples": 400, "temperature": 1.0, "top_p": 0.95, "tv_per_position": tv})
     assert max(tv) < 0.15, tv  # two 400-sample estimates of one distribution
+
+
+def test_the_plugins_draft_graphs_draft_what_sglangs_runner_drafts():
+    """float32, the default plugin with the draft pass in its own CUDA graphs and in SGLang's runner
+    (SGLANG_DFLASH_DRAFT_GRAPHS=0): the same tokens and, request by request, the same verify steps, so
+    the same drafts were accepted. The graphs must have served (Triton: the draft's attention is the
+    block kernel's)."""
+    own = collect("plugin", "float32")
+    runner = collect("plugin", "float32", env_extra=(("SGLANG_DFLASH_DRAFT_GRAPHS", "0"),))
+    assert isinstance(own["draft_graphs"], dict) and own["draft_graphs"]["replays"] > 0, own["draft_graphs"]
+    assert runner["draft_graphs"] == "SGLANG_DFLASH_DRAFT_GRAPHS=0"
+    for workload in ("greedy", "stops"):
+        assert ids(own[workload]) == ids(runner[workload]), workload
+        steps = [(a.spec_verify_ct, b.spec_verify_ct) for a, b in zip(own[workload], runner[workload])]
+        assert all(a == b for a, b in steps), (workload, [s for s in steps if s[0] != s[1]][:8])
+    save("draft_graphs_float32.json", {"replays": own["draft_graphs"]["replays"],
+                                       "verify_steps": sum(r.spec_verify_ct for r in own["greedy"])})
 
 
 def test_kv_pool_and_slots_back_to_idle():
