@@ -555,6 +555,7 @@ def test_step_profile_summary_splits_host_and_gpu_time():
     assert s["spec_code_us_per_step"] == {worker: 50.0, draft: 40.0}
     assert s["python_calls_per_step"][draft] == 1.0
     assert s["python_self_us_per_step"] == {draft: 22.5, "model_runner.py(9): forward": 15.0, worker: 10.0, mm: 2.5}
+    assert s["python_callees_us_per_step"] == {worker: {draft: 40.0}, draft: {"model_runner.py(9): forward": 15.0, mm: 2.5}}
     assert s["gpu_kernel_us_per_step"] == 23.0 and s["kernel_launches_per_step"] == 2.0
     assert s["kernels_us_per_step"] == {"attn_kernel": 15.0, "gemm": 6.0, "memset": 2.0}
     assert s["kernel_calls_per_step"]["gemm"] == 1.0 and s["trace_span_us_per_step"] == 51.5

@@ -123,13 +123,15 @@ def first_token_path(events: list[dict]) -> Optional[dict]:
     return out
 
 
-def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
-    """Per-step host time by Python function (inclusive, scheduler thread), GPU kernel totals, and
-    each kernel's time by the worker call that launched it."""
+def summarize_trace(events: list[dict], steps: int, top: int = 150, parents: int = 60, children: int = 10) -> dict:
+    """Per-step host time by Python function (inclusive, scheduler thread), the ``children`` largest
+    callees of the ``parents`` largest functions (what a function's time is made of), GPU kernel
+    totals, and each kernel's time by the worker call that launched it."""
     complete, python, runtime = scheduler_thread(events)
     kernels = [e for e in complete if e.get("cat") == "kernel"]
     by_function, self_time = defaultdict(float), defaultdict(float)
     calls = defaultdict(int)
+    callees = defaultdict(lambda: defaultdict(float))  # caller -> callee -> inclusive time
     callers = {}  # correlation id of a launch -> caller_label
     # One sweep over frames and launches in time order (a frame before its children), keeping the
     # open frames on a stack: a call's self time is its duration minus its children's.
@@ -144,7 +146,9 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
             continue
         name = frame_name(e["name"])
         if stack:
-            self_time[frame_name(stack[-1]["name"])] -= e["dur"]
+            caller = frame_name(stack[-1]["name"])
+            self_time[caller] -= e["dur"]
+            callees[caller][name] += e["dur"]
         stack.append(e)
         by_function[name] += e["dur"]
         self_time[name] += e["dur"]
@@ -175,6 +179,10 @@ def summarize_trace(events: list[dict], steps: int, top: int = 80) -> dict:
         "python_us_per_step": {n: per_step(t) for n, t in ranked[:top]},
         "python_calls_per_step": {n: round(calls[n] / steps, 2) for n, _ in ranked[:top]},
         "python_self_us_per_step": {n: per_step(t) for n, t in sorted(self_time.items(), key=lambda x: -x[1])[:top]},
+        "python_callees_us_per_step": {
+            n: {c: per_step(t) for c, t in sorted(callees[n].items(), key=lambda x: -x[1])[:children]}
+            for n, _ in ranked[:parents] if callees[n]
+        },
         # every function of the speculative worker's own code, inclusive
         "spec_code_us_per_step": {n: per_step(t) for n, t in ranked if ours(n)},
         "kernels_us_per_step": {n: per_step(t) for n, t in kernels_ranked},
