@@ -52,6 +52,23 @@ class PadRows:
         return stale
 
 
+def draft_forward_batch(block_ids: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor, rows: torch.Tensor,
+                        lens: torch.Tensor, lens_cpu: torch.Tensor, input_embeds: Optional[torch.Tensor] = None
+                        ) -> ForwardBatch:
+    """The draft pass as a TARGET_VERIFY forward: the block's ids, positions and KV slots ``[bs, B]``, each
+    request's row and attended context length (``lens``, and on the host ``lens_cpu``)."""
+    bs, B = block_ids.shape
+    ids, positions = block_ids.reshape(-1), positions.reshape(-1)
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=ids, req_pool_indices=rows, seq_lens=lens,
+        out_cache_loc=cache_loc.reshape(-1), seq_lens_sum=int(lens_cpu.sum()), seq_lens_cpu=lens_cpu,
+        positions=positions, input_embeds=input_embeds, spec_algorithm=SpeculativeAlgorithm.DFLASH,
+        spec_info=DFlashVerifyInput(draft_token=ids, positions=positions, draft_token_num=B,
+                                    capture_hidden_mode=CaptureHiddenMode.NULL),
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+    )
+
+
 def graph_size(sizes: tuple, bs: int) -> Optional[int]:
     """The smallest captured batch size holding ``bs`` requests (``sizes`` ascending), or None."""
     for size in sizes:
@@ -89,19 +106,9 @@ class DraftPassGraphs:
     # ---- capture ------------------------------------------------------------------------------
 
     def forward_batch(self, size: int) -> ForwardBatch:
-        """The pass over the first ``size`` rows of the shared inputs, as the worker's eager draft builds it."""
-        B = self.block_size
-        block_ids, positions = self.block_ids[:size].view(-1), self.positions[:size].view(-1)
-        lens_cpu = torch.full((size,), self.pad_len, dtype=torch.int64)
-        return ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=size, input_ids=block_ids,
-            req_pool_indices=self.rows[:size], seq_lens=self.lens[:size], out_cache_loc=self.cache_loc[:size].view(-1),
-            seq_lens_sum=int(lens_cpu.sum()), seq_lens_cpu=lens_cpu, positions=positions,
-            spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=DFlashVerifyInput(draft_token=block_ids, positions=positions, draft_token_num=B,
-                                        capture_hidden_mode=CaptureHiddenMode.NULL),
-            capture_hidden_mode=CaptureHiddenMode.NULL,
-        )
+        """The pass over the first ``size`` rows of the shared inputs."""
+        return draft_forward_batch(self.block_ids[:size], self.positions[:size], self.cache_loc[:size], self.rows[:size],
+                                   self.lens[:size], torch.full((size,), self.pad_len, dtype=torch.int64))
 
     def _pass(self, forward_batch: ForwardBatch, size: int) -> None:
         B = self.block_size

@@ -63,7 +63,6 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.runtime_context import get_exec, get_parallel
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, prepare_mamba_track_for_verify
 
 from . import compat
@@ -75,7 +74,7 @@ from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
 from .block_attention_route import as_the_scheduler_sees, route_block_attention
-from .draft_graph import DraftGraphUnserved, DraftPassGraphs
+from .draft_graph import DraftGraphUnserved, DraftPassGraphs, draft_forward_batch
 from .draft_input import bulk_prepare_serves, draft_input_class, length_sets_report, make_draft_input
 from .fallback import make_fallback
 from .gdn_state import SnapshotState, install_verify_redirect, keeps_state_in_snapshots
@@ -388,8 +387,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         why = ("no decode CUDA graphs" if not capture else
                "the greedy head runs outside the graph" if not self.head_in_graph else
                "the draft attends to a window" if self.window is not None else
-               "tensor parallel" if self.draft_head.tp_size > 1 else
-               "DP attention" if getattr(self.server_args, "enable_dp_attention", False) else None)
+               "tensor parallel" if self.draft_head.tp_size > 1 else None)  # DP attention is refused at launch
         if why is not None:
             return None, why
         runner = self.draft_model_runner
@@ -681,24 +679,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                 batch.req_pool_indices, batch.seq_lens, self.model_runner.req_to_token_pool.req_to_token
             )
             draft_seq_lens_cpu = torch.clamp(seq_lens_cpu - B, max=self.window.size) + B
-        forward_batch = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
-            input_ids=block_ids.view(-1),
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=draft_seq_lens,
-            out_cache_loc=cache_loc.view(-1),
-            seq_lens_sum=int(draft_seq_lens_cpu.sum()),
-            seq_lens_cpu=draft_seq_lens_cpu,
-            positions=positions.view(-1),
-            input_embeds=embeds,
-            spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=DFlashVerifyInput(
-                draft_token=block_ids.view(-1), positions=positions.view(-1), draft_token_num=B,
-                capture_hidden_mode=CaptureHiddenMode.NULL,
-            ),
-            capture_hidden_mode=CaptureHiddenMode.NULL,
-        )
+        forward_batch = draft_forward_batch(block_ids, positions.view(bs, B), cache_loc.view(bs, B),
+                                            batch.req_pool_indices, draft_seq_lens, draft_seq_lens_cpu, input_embeds=embeds)
         self.release.bind_draft_plan(self.draft_model_runner, forward_batch)
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)

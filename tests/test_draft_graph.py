@@ -107,7 +107,7 @@ def reasons_worker(monkeypatch, **overrides):
     from sglang_dflash.worker import DFlashWorker
 
     worker = object.__new__(DFlashWorker)
-    worker.head_in_graph, worker.window, worker.server_args = True, None, SimpleNamespace()
+    worker.head_in_graph, worker.window = True, None
     worker.draft_head = SimpleNamespace(tp_size=1)
     for name, value in overrides.items():
         setattr(worker, name, value)
@@ -120,7 +120,6 @@ def reasons_worker(monkeypatch, **overrides):
     (None, True, {"head_in_graph": False}, "the greedy head runs outside the graph"),
     (None, True, {"window": object()}, "the draft attends to a window"),
     (None, True, {"draft_head": SimpleNamespace(tp_size=2)}, "tensor parallel"),
-    (None, True, {"server_args": SimpleNamespace(enable_dp_attention=True)}, "DP attention"),
 ])
 def test_where_the_plugins_draft_graphs_do_not_serve_sglangs_runner_does_and_the_reason_is_kept(
         monkeypatch, env, capture, overrides, why):
@@ -153,3 +152,16 @@ def test_a_capture_whose_pass_went_past_the_block_kernel_leaves_the_draft_to_sgl
     worker.draft_model, worker.block_size, worker.device, worker.release = None, 16, "cpu", None
     graphs, why = DFlashWorker._capture_draft_graphs(worker, True, (1, 2))
     assert graphs is None and why.startswith("2 of the pass's 3 attention calls")
+
+
+def test_the_draft_pass_is_a_target_verify_forward_over_the_block_rows_and_lengths():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_dflash.draft_graph import draft_forward_batch
+
+    block_ids, positions = torch.arange(8).view(2, 4), torch.arange(10, 18).view(2, 4)
+    fb = draft_forward_batch(block_ids, positions, positions + 100, torch.tensor([3, 5]), torch.tensor([10, 14]),
+                             torch.tensor([10, 14]))
+    assert fb.forward_mode == ForwardMode.TARGET_VERIFY and fb.batch_size == 2 and fb.seq_lens_sum == 24
+    assert fb.input_ids.tolist() == list(range(8)) and fb.out_cache_loc.tolist() == list(range(110, 118))
+    assert fb.spec_info.draft_token_num == 4 and fb.spec_info.positions.tolist() == list(range(10, 18))
+    assert fb.req_pool_indices.tolist() == [3, 5] and fb.input_embeds is None
