@@ -55,8 +55,9 @@ class PadRows:
 def draft_forward_batch(block_ids: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor, rows: torch.Tensor,
                         lens: torch.Tensor, lens_cpu: torch.Tensor, input_embeds: Optional[torch.Tensor] = None
                         ) -> ForwardBatch:
-    """The draft pass as a TARGET_VERIFY forward: the block's ids, positions and KV slots ``[bs, B]``, each
-    request's row and attended context length (``lens``, and on the host ``lens_cpu``)."""
+    """The draft pass as a TARGET_VERIFY forward: the block's ids ``[bs, B]``, its positions and KV slots
+    (``bs * B`` in either shape), each request's row and attended context length (``lens``, and on the
+    host ``lens_cpu``)."""
     bs, B = block_ids.shape
     ids, positions = block_ids.reshape(-1), positions.reshape(-1)
     return ForwardBatch(

@@ -679,8 +679,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                 batch.req_pool_indices, batch.seq_lens, self.model_runner.req_to_token_pool.req_to_token
             )
             draft_seq_lens_cpu = torch.clamp(seq_lens_cpu - B, max=self.window.size) + B
-        forward_batch = draft_forward_batch(block_ids, positions.view(bs, B), cache_loc.view(bs, B),
-                                            batch.req_pool_indices, draft_seq_lens, draft_seq_lens_cpu, input_embeds=embeds)
+        forward_batch = draft_forward_batch(block_ids, positions, cache_loc, batch.req_pool_indices, draft_seq_lens,
+                                            draft_seq_lens_cpu, input_embeds=embeds)
         self.release.bind_draft_plan(self.draft_model_runner, forward_batch)
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
