@@ -32,7 +32,7 @@ BLOCK_ATTENTION_ENV = "SGLANG_DFLASH_BLOCK_ATTENTION"
 # 0 = FlashInfer still plans its prefill wrapper before every replay of a DFLASH pass that the block
 # kernel serves whole, though the kernel reads nothing the plan makes (A/B runs).
 SKIP_UNUSED_PLANS_ENV = "SGLANG_DFLASH_SKIP_UNUSED_PLANS"
-# 0 = the draft pass replayed through SGLang's graph runner (its host set-up, about 1 ms a step), not
+# 0 = the draft pass replayed through SGLang's graph runner (its host set-up, 0.5-1 ms a step), not
 # the plugin's own CUDA graphs fed in place by the block set-up (draft_graph.py; A/B runs).
 DRAFT_GRAPHS_ENV = "SGLANG_DFLASH_DRAFT_GRAPHS"
 # 0 = a Triton pass the block kernel serves by the request table still goes through SGLang's

@@ -88,7 +88,7 @@ class DraftPassGraphs:
         self.sizes = tuple(sorted(set(int(s) for s in sizes)))
         if not self.sizes:
             raise DraftGraphUnserved("no batch sizes to capture")
-        self.device, self.pad_len = device, pad_len
+        self.pad_len = pad_len
         top, B = self.sizes[-1], block_size
         if head.out.numel() < top * (B - 1):
             raise DraftGraphUnserved(f"the greedy head holds {head.out.numel()} tokens, not {top * (B - 1)}")
