@@ -247,16 +247,27 @@ class SGLangRelease:
 
     # ---- the worker ----------------------------------------------------------------------
 
-    def build_draft_worker(self, server_args, gpu_id, nccl_port, target_model_config, ps=None):
+    def build_draft_worker(self, server_args, gpu_id, nccl_port, target_model_config, ps=None, attention_backend=None):
+        """SGLang's draft worker; ``attention_backend`` (or None: SGLang's resolution) is its attention backend."""
         from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 
         kwargs = dict(server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port,
-                      target_model_config=target_model_config, algo_label="DFLASH")
+                      target_model_config=target_model_config, algo_label="DFLASH",
+                      attention_backend_override=attention_backend)
         if not self.has("worker_without_ps"):
             from dataclasses import replace
 
             kwargs["ps"] = replace(ps, pp_rank=0)
         return build_draft_tp_worker(**kwargs)
+
+    def target_attention_backend(self, server_args) -> Optional[str]:
+        """The target's prefill attention backend as SGLang resolved it: the one a draft worker is
+        given where the launch names none."""
+        if self.has("declared_resolution"):
+            from sglang.srt.runtime_context import attention_backends
+
+            return attention_backends()[0]
+        return server_args.get_attention_backends()[0]
 
     @property
     def reserved_lens_field(self) -> str:
@@ -634,7 +645,10 @@ class SGLangRelease:
             Symbol(spec + "dflash_info_v2", "DFlashDraftInputV2.bonus_tokens"),
             Symbol(spec + "dflash_info_v2", "DFlashDraftInputV2." + self.reserved_lens_field),
             Symbol(spec + "draft_worker_common", "build_draft_tp_worker",
-                   ("server_args", "gpu_id", "nccl_port", "target_model_config", "algo_label") + ps),
+                   ("server_args", "gpu_id", "nccl_port", "target_model_config", "algo_label",
+                    "attention_backend_override") + ps),
+            (Symbol("sglang.srt.runtime_context", "attention_backends") if self.has("declared_resolution")
+             else Symbol("sglang.srt.server_args", "ServerArgs.get_attention_backends")),
             Symbol(spec + "spec_info", "SpeculativeAlgorithm"),
             Symbol(spec + "spec_utils", "GrammarTree.from_linear_chain"),
             Symbol(spec + "spec_utils", "build_grammar_vocab_mask",

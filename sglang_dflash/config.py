@@ -111,6 +111,17 @@ def own_draft_graphs() -> bool:
     return os.environ.get(DRAFT_GRAPHS_ENV, "1") != "0"
 
 
+def draft_attention_default(server_args, target_backend: Optional[str], tp_size: int, window_size) -> Optional[str]:
+    """The draft's attention backend where the launch names none: "triton" on an FA3 target, whose
+    drafts the plugin's own CUDA graphs then serve (SGLang would give the draft FA3, which they do
+    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway."""
+    if getattr(server_args, "speculative_draft_attention_backend", None) or not own_draft_graphs():
+        return None
+    if getattr(server_args, "disable_cuda_graph", False) or tp_size > 1 or window_size is not None:
+        return None
+    return "triton" if target_backend == "fa3" else None
+
+
 def skip_kv_copies() -> bool:
     return os.environ.get(SKIP_KV_COPIES_ENV, "1") != "0"
 

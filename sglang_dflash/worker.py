@@ -68,8 +68,9 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
 from .config import (DRAFT_GRAPHS_ENV, DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
-                     TargetInfo, context_in_verify_graph, draft_fallback, draft_vocab_rows, half_verify_logits, hybrid_decode,
-                     own_draft_graphs, ragged_verify, verify_widths, widths_by_default, width_policy_kind)
+                     TargetInfo, context_in_verify_graph, draft_attention_default, draft_fallback, draft_vocab_rows,
+                     half_verify_logits, hybrid_decode, own_draft_graphs, ragged_verify, verify_widths,
+                     widths_by_default, width_policy_kind)
 from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
@@ -150,7 +151,11 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         target_config = self.model_runner.model_config
         self.hybrid = mambaish_config(target_config) is not None
         self.hybrid_gdn = hybrid_gdn_config(target_config) is not None  # Qwen3.5/3.6, Qwen3-Next
-        bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps)
+        draft_backend = draft_attention_default(
+            server_args, self.release.target_attention_backend(server_args), get_parallel().tp_size,
+            self.release.spec_setting(server_args, "speculative_draft_window_size"))
+        bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps,
+                                                 attention_backend=draft_backend)
         self._draft_worker = bundle.draft_worker
         self.draft_model_runner = bundle.draft_model_runner
         self.draft_model = bundle.draft_model

@@ -144,12 +144,13 @@ def test_a_newer_familys_contract_fails_on_an_older_release(older, newer):
     missing = compat.missing_symbols(compat.SGLangRelease(newer), sglang_source(older))
     expected = {
         "0.5.19": "DFlashDraftInputV2.nxt_kv_lens_cpu",
-        "0.5.21": "build_draft_tp_worker(server_args, gpu_id, nccl_port, target_model_config, algo_label)",
+        "0.5.21": "build_draft_tp_worker(server_args, gpu_id, nccl_port, target_model_config, algo_label,",
         "0.5.22": "KVIndexTranslator.bind_own_plan",
     }[newer]
     if newer == "0.5.21":  # 0.5.21 drops a parameter rather than adding one: run it the other way round
         missing = compat.missing_symbols(compat.SGLangRelease(older), sglang_source(newer))
-        expected = "build_draft_tp_worker(server_args, gpu_id, nccl_port, target_model_config, algo_label, ps)"
+        expected = ("build_draft_tp_worker(server_args, gpu_id, nccl_port, target_model_config, algo_label, "
+                    "attention_backend_override, ps)")
     assert any(expected in m for m in missing), missing
 
 

@@ -244,3 +244,23 @@ def test_hub_ids_are_fetched_and_local_folders_used_as_they_are(tmp_path, monkey
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(DFlashConfigError, match="--speculative-draft-model-path.*not a local folder"):
         local_checkpoint("org/draft", "--speculative-draft-model-path")
+
+
+def test_an_fa3_targets_draft_attends_on_triton_where_the_plugins_draft_graphs_can_serve(monkeypatch):
+    """SGLang gives the draft the target's FA3, which the plugin's own draft graphs do not serve:
+    Triton instead, unless the launch names a draft backend or the graphs could not serve anyway."""
+    from sglang_dflash.config import DRAFT_GRAPHS_ENV, draft_attention_default
+
+    args = SimpleNamespace(speculative_draft_attention_backend=None, disable_cuda_graph=False)
+    monkeypatch.delenv(DRAFT_GRAPHS_ENV, raising=False)
+    assert draft_attention_default(args, "fa3", tp_size=1, window_size=None) == "triton"
+    for target in ("triton", "flashinfer", "fa4", None):  # measured on FA3 only; triton is triton already
+        assert draft_attention_default(args, target, tp_size=1, window_size=None) is None
+    assert draft_attention_default(args, "fa3", tp_size=2, window_size=None) is None
+    assert draft_attention_default(args, "fa3", tp_size=1, window_size=2048) is None
+    named = SimpleNamespace(speculative_draft_attention_backend="fa3", disable_cuda_graph=False)
+    assert draft_attention_default(named, "fa3", tp_size=1, window_size=None) is None
+    eager = SimpleNamespace(speculative_draft_attention_backend=None, disable_cuda_graph=True)
+    assert draft_attention_default(eager, "fa3", tp_size=1, window_size=None) is None
+    monkeypatch.setenv(DRAFT_GRAPHS_ENV, "0")
+    assert draft_attention_default(args, "fa3", tp_size=1, window_size=None) is None

@@ -61,13 +61,15 @@ IMPLEMENTATIONS = {
                                                                  "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                  "SGLANG_DFLASH_HYBRID_DECODE": "0"}),
     # The default with the draft pass replayed by SGLang's graph runner, not the plugin's own graphs
-    # (A/B of SGLANG_DFLASH_DRAFT_GRAPHS: the same drafts, the runner's host set-up each step).
+    # (A/B of SGLANG_DFLASH_DRAFT_GRAPHS: the same drafts, the runner's host set-up each step). On an
+    # fa3 server the draft then attends on FA3, as SGLang chooses (config.draft_attention_default).
     "adaptive-runner-drafts": (["--speculative-algorithm", "DFLASH"], {"SGLANG_DFLASH_IMPL": "plugin",
                                                                        "SGLANG_DFLASH_WIDTHS": "auto",
                                                                        "SGLANG_DFLASH_WIDTH_POLICY": "throughput",
                                                                        "SGLANG_DFLASH_DRAFT_GRAPHS": "0"}),
-    # The default with its draft on Triton where the server's attention is another (fa3, flashinfer): the
-    # draft pass then goes by the block kernel and the plugin's own graphs (draft_graph.py).
+    # The default with its draft on Triton where the server's attention is another (flashinfer; fa3
+    # servers' drafts attend on Triton by default): the draft pass then goes by the block kernel and
+    # the plugin's own graphs (draft_graph.py).
     "adaptive-triton-draft": (["--speculative-algorithm", "DFLASH", "--speculative-draft-attention-backend", "triton"],
                               {"SGLANG_DFLASH_IMPL": "plugin", "SGLANG_DFLASH_WIDTHS": "auto",
                                "SGLANG_DFLASH_WIDTH_POLICY": "throughput"}),
