@@ -140,6 +140,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
     # The draft pass in the plugin's own CUDA graphs (draft_graph.py), or why SGLang's runner replays it
     draft_graphs: Optional[DraftPassGraphs] = None
     draft_graphs_off: Optional[str] = None
+    runner_drafts = 0  # draft passes through SGLang's runner (the plugin's own graphs count their replays)
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None):
         super().__init__()  # ``ps`` (parallel state) comes up to SGLang 0.5.20 only
@@ -440,7 +441,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         widths chosen so far (decode steps per width)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
-                "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts,
+                "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts, "runner_drafts": self.runner_drafts,
                 "draft_graphs": ({"replays": self.draft_graphs.replays, "sizes": list(self.draft_graphs.sizes)}
                                  if self.draft_graphs is not None else self.draft_graphs_off),
                 "prefills": self.prefills, "prefills_in_graphs": self.prefills_in_graphs,
@@ -659,6 +660,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             drafts = graphs.replay(batch.req_pool_indices, batch.seq_lens)
         else:
             drafts = self.run_draft(batch, block_ids, positions, cache_loc, seq_lens_cpu)
+            self.runner_drafts += 1
         candidates[:, 1:].copy_(drafts.view(bs, B - 1)[:, : width - 1])
         if width < B:
             return DraftBlock(candidates, positions[:, :width].reshape(-1), cache_loc[:, :width].contiguous(),

@@ -751,8 +751,9 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert state["dflash"].pop("draft_graphs") is None  # neither graphs nor a reason: this worker never set them up
     assert state["dflash"] == {"block_size": 16, "widths": [16, 4, 1], "width_policy": "CyclingWidths",
                                "widths_used": {"16": 2, "4": 1, "1": 1}, "step_ms": {}, "eager_verifies": {"1": 2},
-                               "decode_steps": 4, "eager_drafts": 1, "prefills": 3, "prefills_in_graphs": 2,
-                               "draft_vocab": {"rows": 32768, "rebuilds": 3}, "half_verify_logits": 7,
+                               "decode_steps": 4, "eager_drafts": 1, "runner_drafts": 0, "prefills": 3,
+                               "prefills_in_graphs": 2, "draft_vocab": {"rows": 32768, "rebuilds": 3},
+                               "half_verify_logits": 7,
                                "decode_track": {"skipped": 5, "prepared": 1}, "verify_track": {"skipped": 3},
                                "width_one_step": "a DECODE", "gdn_state": "commit"}
     assert state["avg_spec_accept_length"] == 1.5
@@ -768,7 +769,7 @@ def test_server_info_reports_the_widths_used_under_dflash(monkeypatch):
     assert fixed.pop("decode_track") == {"skipped": 5, "prepared": 1} and fixed.pop("width_one_step") == "a DECODE"
     assert fixed.pop("verify_track") == {"skipped": 3} and fixed.pop("gdn_state") == "commit"
     assert fixed.pop("host_pauses") and fixed.pop("stalls") and fixed == {"block_size": 16, "widths": [16], "decode_steps": 4,
-                                                  "eager_drafts": 1, "eager_verifies": {"1": 2},
+                                                  "eager_drafts": 1, "runner_drafts": 0, "eager_verifies": {"1": 2},
                                                   "prefills": 3, "prefills_in_graphs": 2,
                                                   "half_verify_logits": None}
     monkeypatch.setattr(integration, "_serving", False)
