@@ -157,6 +157,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             self.release.spec_setting(server_args, "speculative_draft_window_size"))
         bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps,
                                                  attention_backend=draft_backend)
+        if draft_backend is not None and get_parallel().tp_rank == 0:
+            logger.info("DFLASH draft attends on %s, which the plugin's own draft graphs serve "
+                        "(--speculative-draft-attention-backend keeps SGLang's choice)", draft_backend)
         self._draft_worker = bundle.draft_worker
         self.draft_model_runner = bundle.draft_model_runner
         self.draft_model = bundle.draft_model
