@@ -114,7 +114,10 @@ def own_draft_graphs() -> bool:
 def draft_attention_default(server_args, target_backend: Optional[str], tp_size: int, window_size) -> Optional[str]:
     """The draft's attention backend where the launch names none: "triton" on an FA3 target, whose
     drafts the plugin's own CUDA graphs then serve (SGLang would give the draft FA3, which they do
-    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway."""
+    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway.
+    Up to SGLang 0.5.18 the launch writes SGLang's own choice into ``server_args`` as if named, so
+    there the draft keeps it; from 0.5.19 that choice is a declared resolution and the field stays
+    what the user gave."""
     if getattr(server_args, "speculative_draft_attention_backend", None) or not own_draft_graphs():
         return None
     if getattr(server_args, "disable_cuda_graph", False) or tp_size > 1 or window_size is not None:
