@@ -9,7 +9,7 @@ is rewritten after each stage, so a run cut short still says how far it got.
                                 [--widths auto [--width-policy cycle] [--fallback force] [--plain-too]]
                                 [--server-default [--plain-too]]
                                 [--smollm2 TARGET_DIR --draft DIR --data-dir DIR] [--context-ab 64]
-                                [--prefill-graphs off|on|N] [--backend triton] [--dtype float32]
+                                [--prefill-graphs off|on|N] [--in-flight 32] [--backend triton] [--dtype float32]
     python -m lab.lossless_pair OUTDIR --backend flashinfer --dtype bfloat16 --ab-only \
                                 --context-ab 64 --ab-env SGLANG_DFLASH_SKIP_HOST_LENGTHS=0
 
@@ -178,10 +178,15 @@ def main():
                              "SGLANG_DFLASH_CONTEXT_IN_GRAPH=0: the draft context written after the accept)")
     parser.add_argument("--ab-only", action="store_true",
                         help="with --context-ab: only the two plugin servers, no comparison with plain decoding")
+    parser.add_argument("--in-flight", type=int, default=32, metavar="N",
+                        help="requests at a time (default 32; the stop workload takes half): 8 or less keeps every "
+                             "decode batch within the float32 servers' CUDA graphs, so the plugin's draft graphs serve")
     parser.add_argument("--backend", default="triton", help="--attention-backend of every server (default triton)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="--dtype of every server (default float32; a half type needs --ab-only)")
     args = parser.parse_args()
+    if args.in_flight < 1:
+        parser.error("--in-flight must be 1 or more")
     if args.ab_only and not args.context_ab:
         parser.error("--ab-only needs --context-ab N")
     if args.dtype != "float32" and not args.ab_only:
@@ -220,7 +225,7 @@ def main():
               "pair": "smollm2" if args.smollm2 else "tiny", **widths,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "block_size": args.block,
               "server_default": args.server_default,
-              "prefill_graphs": args.prefill_graphs, "stage": "start"}
+              "prefill_graphs": args.prefill_graphs, "in_flight": args.in_flight, "stage": "start"}
     path = os.path.join(args.out, "lossless.json")
 
     def save(**kw):
@@ -262,7 +267,8 @@ def main():
             sys.exit(0 if ab_clean(record["context_ab"]) and all_idle(record["ab_kv_after"].values()) else 1)
         with ThreadPoolExecutor(len(checked)) as pool:
             outs = dict(zip(checked, pool.map(
-                lambda s: (run_requests(s.url, greedy, 32)[0], run_requests(s.url, stops, 16)[0], kv_loads(s.url)),
+                lambda s: (run_requests(s.url, greedy, args.in_flight)[0],
+                           run_requests(s.url, stops, max(1, args.in_flight // 2))[0], kv_loads(s.url)),
                 [servers[k] for k in checked])))
         plugin_info = server_info(servers["plugin"].url).get("dflash")
         plain_info = server_info(servers["plugin-plain"].url).get("dflash") if args.plain_too else None

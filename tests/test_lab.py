@@ -138,7 +138,8 @@ def test_the_lossless_pair_runs_on_another_backend_and_dtype_as_asked():
 def test_a_half_precision_run_is_checked_by_the_same_kernels_a_b_only(monkeypatch, capsys):
     lp = load_lossless_pair()
     for argv, why in ((["out", "--dtype", "bfloat16"], "near-ties"), (["out", "--ab-only"], "needs --context-ab"),
-                      (["out", "--context-ab", "4", "--ab-only", "--plain-too", "--widths", "auto"], "drop --plain-too")):
+                      (["out", "--context-ab", "4", "--ab-only", "--plain-too", "--widths", "auto"], "drop --plain-too"),
+                      (["out", "--in-flight", "0"], "--in-flight must be 1 or more")):
         monkeypatch.setattr(sys, "argv", ["lossless_pair.py"] + argv)
         with pytest.raises(SystemExit):
             lp.main()
