@@ -111,16 +111,20 @@ def own_draft_graphs() -> bool:
     return os.environ.get(DRAFT_GRAPHS_ENV, "1") != "0"
 
 
-def draft_attention_default(server_args, target_backend: Optional[str], tp_size: int, window_size) -> Optional[str]:
+def draft_attention_default(server_args, target_backend: Optional[str], tp_size: int, window_size,
+                            draft_config: Optional[dict]) -> Optional[str]:
     """The draft's attention backend where the launch names none: "triton" on an FA3 target, whose
     drafts the plugin's own CUDA graphs then serve (SGLang would give the draft FA3, which they do
-    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway.
+    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway:
+    the block kernel they need takes no sliding-window layer (the Qwen3.5-4B draft's).
     Up to SGLang 0.5.18 the launch writes SGLang's own choice into ``server_args`` as if named, so
     there the draft keeps it; from 0.5.19 that choice is a declared resolution and the field stays
     what the user gave."""
     if getattr(server_args, "speculative_draft_attention_backend", None) or not own_draft_graphs():
         return None
     if getattr(server_args, "disable_cuda_graph", False) or tp_size > 1 or window_size is not None:
+        return None
+    if "sliding_attention" in ((draft_config or {}).get("layer_types") or ()):
         return None
     return "triton" if target_backend == "fa3" else None
 

@@ -69,8 +69,8 @@ from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
 from .config import (DRAFT_GRAPHS_ENV, DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
                      TargetInfo, context_in_verify_graph, draft_attention_default, draft_fallback, draft_vocab_rows,
-                     half_verify_logits, hybrid_decode, own_draft_graphs, ragged_verify, verify_widths,
-                     widths_by_default, width_policy_kind)
+                     half_verify_logits, hybrid_decode, own_draft_graphs, ragged_verify, read_draft_config,
+                     verify_widths, widths_by_default, width_policy_kind)
 from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
 from .block_attention_route import ROUTE as BLOCK_ROUTE
@@ -154,7 +154,9 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         self.hybrid_gdn = hybrid_gdn_config(target_config) is not None  # Qwen3.5/3.6, Qwen3-Next
         draft_backend = draft_attention_default(
             server_args, self.release.target_attention_backend(server_args), get_parallel().tp_size,
-            self.release.spec_setting(server_args, "speculative_draft_window_size"))
+            self.release.spec_setting(server_args, "speculative_draft_window_size"),
+            read_draft_config(self.release.spec_setting(server_args, "speculative_draft_model_path"),
+                              self.release.spec_setting(server_args, "speculative_draft_model_revision")))
         bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps,
                                                  attention_backend=draft_backend)
         if draft_backend is not None and get_parallel().tp_rank == 0:
