@@ -112,7 +112,7 @@ def own_draft_graphs() -> bool:
 
 
 def draft_attention_default(server_args, target_backend: Optional[str], tp_size: int, window_size,
-                            draft_config: Optional[dict]) -> Optional[str]:
+                            draft_config: Optional[dict], decode_graphs: bool = True) -> Optional[str]:
     """The draft's attention backend where the launch names none: "triton" on an FA3 target, whose
     drafts the plugin's own CUDA graphs then serve (SGLang would give the draft FA3, which they do
     not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway:
@@ -122,7 +122,7 @@ def draft_attention_default(server_args, target_backend: Optional[str], tp_size:
     what the user gave."""
     if getattr(server_args, "speculative_draft_attention_backend", None) or not own_draft_graphs():
         return None
-    if getattr(server_args, "disable_cuda_graph", False) or tp_size > 1 or window_size is not None:
+    if not decode_graphs or tp_size > 1 or window_size is not None:
         return None
     if "sliding_attention" in ((draft_config or {}).get("layer_types") or ()):
         return None

@@ -156,7 +156,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             server_args, self.release.target_attention_backend(server_args), get_parallel().tp_size,
             self.release.spec_setting(server_args, "speculative_draft_window_size"),
             read_draft_config(self.release.spec_setting(server_args, "speculative_draft_model_path"),
-                              self.release.spec_setting(server_args, "speculative_draft_model_revision")))
+                              self.release.spec_setting(server_args, "speculative_draft_model_revision")),
+            decode_graphs=not self.release.decode_graphs_disabled())
         bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps,
                                                  attention_backend=draft_backend)
         if draft_backend is not None and get_parallel().tp_rank == 0:

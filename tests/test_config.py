@@ -251,19 +251,16 @@ def test_an_fa3_targets_draft_attends_on_triton_where_the_plugins_draft_graphs_c
     Triton instead, unless the launch names a draft backend or the graphs could not serve anyway."""
     from sglang_dflash.config import DRAFT_GRAPHS_ENV, draft_attention_default
 
-    args = SimpleNamespace(speculative_draft_attention_backend=None, disable_cuda_graph=False)
+    def pick(target="fa3", named=None, tp_size=1, window_size=None, draft_config=None, decode_graphs=True):
+        return draft_attention_default(SimpleNamespace(speculative_draft_attention_backend=named), target, tp_size,
+                                       window_size, draft_config, decode_graphs)
+
     monkeypatch.delenv(DRAFT_GRAPHS_ENV, raising=False)
-    assert draft_attention_default(args, "fa3", tp_size=1, window_size=None, draft_config={}) == "triton"
+    assert pick() == "triton" and pick(draft_config={"layer_types": ["full_attention"]}) == "triton"
     for target in ("triton", "flashinfer", "fa4", None):  # measured on FA3 only; triton is triton already
-        assert draft_attention_default(args, target, tp_size=1, window_size=None, draft_config={}) is None
-    assert draft_attention_default(args, "fa3", tp_size=2, window_size=None, draft_config={}) is None
-    assert draft_attention_default(args, "fa3", tp_size=1, window_size=2048, draft_config={}) is None
-    named = SimpleNamespace(speculative_draft_attention_backend="fa3", disable_cuda_graph=False)
-    assert draft_attention_default(named, "fa3", tp_size=1, window_size=None, draft_config={}) is None
-    eager = SimpleNamespace(speculative_draft_attention_backend=None, disable_cuda_graph=True)
-    assert draft_attention_default(eager, "fa3", tp_size=1, window_size=None, draft_config={}) is None
-    sliding = {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2048}
-    assert draft_attention_default(args, "fa3", tp_size=1, window_size=None, draft_config=sliding) is None
-    assert draft_attention_default(args, "fa3", tp_size=1, window_size=None, draft_config=None) == "triton"
+        assert pick(target) is None
+    assert pick(named="fa3") is None and pick(tp_size=2) is None and pick(window_size=2048) is None
+    assert pick(decode_graphs=False) is None
+    assert pick(draft_config={"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2048}) is None
     monkeypatch.setenv(DRAFT_GRAPHS_ENV, "0")
-    assert draft_attention_default(args, "fa3", tp_size=1, window_size=None, draft_config={}) is None
+    assert pick() is None
