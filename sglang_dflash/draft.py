@@ -327,6 +327,10 @@ class GreedyDraftHead:
         return idx
 
     def capture_hook(self, runner, out, forward_batch, num_tokens) -> None:
-        """Inside the draft graph: leave the tokens where replays will find them."""
-        tokens = self(out.hidden_states)
+        """Inside SGLang's draft graph: leave the tokens where replays will find them."""
+        self.draft_into_out(out.hidden_states)
+
+    def draft_into_out(self, hidden: torch.Tensor) -> None:
+        """The drafted tokens, written into ``out`` (inside a graph, where its replays read them)."""
+        tokens = self(hidden)
         self.out[: tokens.shape[0]].copy_(tokens)

@@ -113,8 +113,7 @@ class DraftPassGraphs:
         B = self.block_size
         embeds = self.embed(self.block_ids[:size].view(-1)).view(size * B, -1)
         out = self.draft_model(forward_batch.input_ids, forward_batch.positions, forward_batch, input_embeds=embeds)
-        tokens = self.head(out.hidden_states)
-        self.head.out[: tokens.shape[0]].copy_(tokens)
+        self.head.draft_into_out(out.hidden_states)
 
     def capture(self, bind_plan: Optional[Callable] = None) -> None:
         """Capture every size, the largest first, in one memory pool. Raises
