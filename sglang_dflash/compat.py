@@ -260,13 +260,6 @@ class SGLangRelease:
             kwargs["ps"] = replace(ps, pp_rank=0)
         return build_draft_tp_worker(**kwargs)
 
-    def decode_graphs_disabled(self) -> bool:
-        """Whether the launch turned decode CUDA graphs off (``--cuda-graph-backend-decode disabled``,
-        or the older ``--disable-cuda-graph``), as SGLang's published config says."""
-        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
-
-        return check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
-
     def target_attention_backend(self, server_args) -> Optional[str]:
         """The target's prefill attention backend as SGLang resolved it: the one a draft worker is
         given where the launch names none."""
@@ -654,7 +647,6 @@ class SGLangRelease:
             Symbol(spec + "draft_worker_common", "build_draft_tp_worker",
                    ("server_args", "gpu_id", "nccl_port", "target_model_config", "algo_label",
                     "attention_backend_override") + ps),
-            Symbol("sglang.srt.model_executor.cuda_graph_config", "check_cuda_graph_backend", ("phase", "backend")),
             (Symbol("sglang.srt.runtime_context", "attention_backends") if self.has("declared_resolution")
              else Symbol("sglang.srt.server_args", "ServerArgs.get_attention_backends")),
             Symbol(spec + "spec_info", "SpeculativeAlgorithm"),

@@ -152,12 +152,12 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         target_config = self.model_runner.model_config
         self.hybrid = mambaish_config(target_config) is not None
         self.hybrid_gdn = hybrid_gdn_config(target_config) is not None  # Qwen3.5/3.6, Qwen3-Next
+        self.window_size = self.release.spec_setting(server_args, "speculative_draft_window_size")
         draft_backend = draft_attention_default(
-            server_args, self.release.target_attention_backend(server_args), get_parallel().tp_size,
-            self.release.spec_setting(server_args, "speculative_draft_window_size"),
+            server_args, self.release.target_attention_backend(server_args), get_parallel().tp_size, self.window_size,
             read_draft_config(self.release.spec_setting(server_args, "speculative_draft_model_path"),
                               self.release.spec_setting(server_args, "speculative_draft_model_revision")),
-            decode_graphs=not self.release.decode_graphs_disabled())
+            decode_graphs=decode_graph_config().backend != Backend.DISABLED)
         bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps,
                                                  attention_backend=draft_backend)
         if draft_backend is not None and get_parallel().tp_rank == 0:
@@ -169,7 +169,6 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         text = target_config.hf_text_config
         target = TargetInfo(text.hidden_size, text.num_hidden_layers, target_config.vocab_size, target_config.context_len)
         self.block_size = int(self.release.spec_setting(server_args, "speculative_num_draft_tokens"))
-        self.window_size = self.release.spec_setting(server_args, "speculative_draft_window_size")
         self.speculative_num_draft_tokens = self.block_size
         self.config = self.draft_model.dflash_config.with_block_size(self.block_size).resolve_for_target(target)
         self.mask_token_id = self._resolve_mask_token_id()
@@ -364,7 +363,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                         "in the verify's snapshot rows" if why is None else f"SGLang's commit copy ({why})")
 
     def init_cuda_graphs(self):
-        graphs = get_exec().graph.cuda_graph_config.decode
+        graphs = decode_graph_config()
         capture = graphs.backend != Backend.DISABLED
         lm_head = self.model_runner.model.lm_head
         self.draft_head = GreedyDraftHead(
@@ -981,6 +980,12 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             speculative_num_draft_tokens=self.block_size,
             new_seq_lens=empty,
         )
+
+
+def decode_graph_config():
+    """SGLang's published decode CUDA-graph config: its backend (``disabled`` or one that captures)
+    and batch sizes."""
+    return get_exec().graph.cuda_graph_config.decode
 
 
 def full_attention(attn_backend):
