@@ -93,6 +93,10 @@ class StepStalls:
     what came before (``by_transition``: ``extend>decode``, ``decode>decode``, ...): a decode step
     right after an admission is never timed by the width policy (:class:`~sglang_dflash.step_clock.StepClock`),
     and where requests come and go it is most of them.
+
+    A stalled call's entry in ``recent`` names the host time of its own parts (the decode step's
+    phases, an admission's target prefill and draft context, the width policy): a long call whose
+    parts add up to little was held up outside them, in SGLang's code around the worker.
     """
 
     def __init__(self, threshold_ms: float = 50.0, keep: int = 32, per_width: int = 64):
@@ -107,11 +111,13 @@ class StepStalls:
         self.admission_s: Counter = Counter()  # seconds since start: each named part of an admission (:func:`admission_phase`)
         self.by_mode: dict[str, list] = {}  # mode -> [calls, tokens, call s, gap s] since start
         self.by_transition: dict[str, list] = {}  # "previous>this" mode -> [calls, call s, gap s] since start
+        self._call_parts: Counter = Counter()  # seconds: this call's named parts, for its entry in ``recent``
         self._start: Optional[float] = None
         self._last_end: Optional[float] = None
         self._last_mode = ""
 
     def begin(self) -> None:
+        self._call_parts.clear()
         self._start = time.perf_counter()
 
     def end(self, mode: str, bs: int, tokens: int, width: Optional[int] = None) -> None:
@@ -140,11 +146,22 @@ class StepStalls:
             self.count += 1
             self.total += (call if call > self.threshold else 0.0) + (gap if gap > self.threshold else 0.0)
             self.recent.append([self.calls, f"{self._last_mode or '-'}>{mode}", bs, tokens,
-                                round(call * 1e3, 1), round(gap * 1e3, 1)])
+                                round(call * 1e3, 1), round(gap * 1e3, 1), _ms_by_name(self._call_parts, 1)])
         self._start, self._last_end, self._last_mode = None, now, mode
 
     def add_phase(self, name: str, seconds: float) -> None:
-        self.phase_s[name] += seconds
+        self.add("phase_s", name, seconds)
+
+    def add(self, ledger: str, name: str, seconds: float) -> None:
+        """``seconds`` of host time in the named part ``name`` of the call in progress, summed since
+        start in ``ledger`` (``phase_s``: a decode step's; ``admission_s``: an admission's)."""
+        getattr(self, ledger)[name] += seconds
+        self._call_parts[name] += seconds
+
+    def add_policy(self, seconds: float) -> None:
+        """The width policy's own host time (in the worker call, or learning in the gap before one)."""
+        self.policy_s += seconds
+        self._call_parts["policy"] += seconds
 
     def report(self) -> dict:
         self._last_end = None
@@ -153,7 +170,8 @@ class StepStalls:
                     for (w, b), kept in sorted(self.by_width.items(), key=lambda kv: (-kv[0][0], kv[0][1]))}
         return {"calls": self.calls, "over_ms": round(self.threshold * 1e3, 1), "stalls": self.count,
                 "stall_ms": round(self.total * 1e3, 1),
-                "recent": list(self.recent),  # [call, previous>this mode, bs, tokens, call ms, gap ms]
+                # [call, previous>this mode, bs, tokens, call ms, gap ms, {the call's part: ms}]
+                "recent": list(self.recent),
                 "host_ms_by_width": by_width,  # medians of the last decode calls at each width@bucket
                 "decode_host": {"calls": self.decode_calls, "call_ms": round(self.decode_call_s * 1e3, 3),
                                 "gap_ms": round(self.decode_gap_s * 1e3, 3), "policy_ms": round(self.policy_s * 1e3, 3),
@@ -188,8 +206,8 @@ def timed_into(add):
     return wrap
 
 
-def _ms_by_name(seconds: Counter) -> dict:
-    return {k: round(v * 1e3, 3) for k, v in sorted(seconds.items())}
+def _ms_by_name(seconds: Counter, digits: int = 3) -> dict:
+    return {k: round(v * 1e3, digits) for k, v in sorted(seconds.items())}
 
 
 def _into_stalls(parts: str, name: str):
@@ -197,7 +215,7 @@ def _into_stalls(parts: str, name: str):
     def add(self, seconds: float) -> None:
         stalls = getattr(self, "stalls", None)
         if stalls is not None:
-            getattr(stalls, parts)[name] += seconds
+            stalls.add(parts, name, seconds)
     return timed_into(add)
 
 
@@ -216,7 +234,7 @@ def admission_phase(name: str):
 
 
 def _add_policy_time(self, seconds: float) -> None:
-    self.stalls.policy_s += seconds
+    self.stalls.add_policy(seconds)
 
 
 # The width policy's own share of the steps, in ``self.stalls.policy_s`` (its calls run in the

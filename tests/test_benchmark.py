@@ -1351,3 +1351,10 @@ def test_the_reports_host_time_columns_are_the_parts_the_worker_times():
         with open(path) as f:
             named |= set(re.findall(r'(?:@host_phase|add_phase)\("([\w-]+)"', f.read()))
     assert named == set(HOST_PHASES) and len(HOST_PHASES) == len(set(HOST_PHASES))
+
+
+def test_a_stalled_call_is_printed_with_its_named_parts():
+    entry = [7, "extend>extend", 1, 1, 71.2, 1.8, {"draft context": 0.9, "target": 69.5}]
+    assert sweep.stalled_call(entry) == ("extend>extend bs=1 tokens=1: call 71.2 ms (draft context 0.9 ms, "
+                                         "target 69.5 ms), gap 1.8 ms")
+    assert sweep.stalled_call(entry[:6]) == "extend>extend bs=1 tokens=1: call 71.2 ms, gap 1.8 ms"  # an older plugin's

@@ -819,10 +819,56 @@ def test_step_stalls_name_long_calls_and_gaps_but_not_the_pause_between_waves(mo
         stalls.end(mode, bs, tokens)
     report = stalls.report()
     assert report["calls"] == 4 and report["stalls"] == 2 and report["stall_ms"] == 360.0
-    assert report["recent"] == [[2, "decode>extend", 3, 384, 200.0, 10.0], [4, "decode>decode", 8, 0, 10.0, 160.0]]
+    assert report["recent"] == [[2, "decode>extend", 3, 384, 200.0, 10.0, {}], [4, "decode>decode", 8, 0, 10.0, 160.0, {}]]
     stalls.begin()
     stalls.end("extend", 8, 1024)
     assert stalls.report()["stalls"] == 2
+
+
+def test_a_stalled_call_names_the_host_time_of_its_own_parts(monkeypatch):
+    """An admission that stalls says how much of it was the target's prefill and the draft context
+    (and a decode step its phases): the parts of earlier calls and the policy's learning in the gap
+    before it are not counted in it."""
+    import sglang_dflash.host_pauses as host_pauses
+
+    clock = iter([0.000, 0.004, 0.006, 0.010,  # decode: draft 2 ms
+                  0.011, 0.012,  # the policy learning between the calls
+                  0.020, 0.030, 0.090, 0.091, 0.092, 0.100])  # extend: target 60 ms, draft context 1 ms
+    monkeypatch.setattr(host_pauses.time, "perf_counter", lambda: next(clock))
+
+    class Worker:
+        def __init__(self):
+            self.stalls = StepStalls(threshold_ms=50)
+
+        @host_pauses.host_phase("draft")
+        def draft(self):
+            pass
+
+        @host_pauses.policy_time
+        def learn(self):
+            pass
+
+        @host_pauses.admission_phase("target")
+        def target(self):
+            pass
+
+        @host_pauses.admission_phase("draft context")
+        def context(self):
+            pass
+
+    worker = Worker()
+    worker.stalls.begin()
+    worker.draft()
+    worker.stalls.end("decode", 8, 0, width=16)
+    worker.learn()
+    worker.stalls.begin()
+    worker.target()
+    worker.context()
+    worker.stalls.end("extend", 1, 1)
+    report = worker.stalls.report()
+    assert report["recent"] == [[2, "decode>extend", 1, 1, 80.0, 10.0, {"draft context": 1.0, "target": 60.0}]]
+    assert report["decode_host"]["phases_ms"] == {"draft": 2.0} and report["decode_host"]["policy_ms"] == 1.0
+    assert report["admission_host"]["phases_ms"] == {"draft context": 1.0, "target": 60.0}
 
 
 def test_decode_calls_are_kept_by_verify_width(monkeypatch):

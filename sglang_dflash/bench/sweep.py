@@ -314,9 +314,17 @@ def name_stalls(label: str, where: str, before: Optional[dict], now: Optional[di
         return
     added = now["stalls"] - ((before or {}).get("stalls") or 0)
     if added > 0:
-        shown = "; ".join(f"{mode} bs={bs} tokens={tokens}: call {call} ms, gap {gap} ms"
-                          for _, mode, bs, tokens, call, gap in now["recent"][-min(added, 4):])
+        shown = "; ".join(stalled_call(entry) for entry in now["recent"][-min(added, 4):])
         print(f"[{label}] {where}: {added} stalled worker call(s) ({shown})", flush=True)
+
+
+def stalled_call(entry: list) -> str:
+    """One entry of the ledger's ``recent`` ring in words, with the call's named parts (an entry
+    from an older plugin has none)."""
+    _, mode, bs, tokens, call, gap = entry[:6]
+    parts = entry[6] if len(entry) > 6 else {}
+    named = f" ({', '.join(f'{name} {ms} ms' for name, ms in parts.items())})" if parts else ""
+    return f"{mode} bs={bs} tokens={tokens}: call {call} ms{named}, gap {gap} ms"
 
 
 def compile_count(server, where: str, seen: dict) -> list:
