@@ -115,8 +115,8 @@ def draft_attention_default(server_args, target_backend: Optional[str], tp_size:
                             draft_config: Optional[dict], decode_graphs: bool = True) -> Optional[str]:
     """The draft's attention backend where the launch names none: "triton" on an FA3 target, whose
     drafts the plugin's own CUDA graphs then serve (SGLang would give the draft FA3, which they do
-    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway:
-    the block kernel they need takes no sliding-window layer (the Qwen3.5-4B draft's).
+    not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway
+    (:func:`block_kernel_takes_draft`).
     Up to SGLang 0.5.18 the launch writes SGLang's own choice into ``server_args`` as if named, so
     there the draft keeps it; from 0.5.19 that choice is a declared resolution and the field stays
     what the user gave."""
@@ -124,9 +124,29 @@ def draft_attention_default(server_args, target_backend: Optional[str], tp_size:
         return None
     if not decode_graphs or tp_size > 1 or window_size is not None:
         return None
-    if "sliding_attention" in ((draft_config or {}).get("layer_types") or ()):
+    if not block_kernel_takes_draft(server_args, draft_config):
         return None
     return "triton" if target_backend == "fa3" else None
+
+
+def block_kernel_takes_draft(server_args, draft_config: Optional[dict]) -> bool:
+    """Whether the block kernel, which the plugin's draft graphs need for every attention call of the
+    pass, would take the draft's on Triton: the kernel on (``SGLANG_DFLASH_BLOCK_ATTENTION``), pages
+    of one token, the KV cache in the model's dtype (no fp8 scales), no sliding-window layer (the
+    Qwen3.5-4B draft's) and a head size it serves. A config that cannot be read says nothing against."""
+    if not block_attention_kernel() or (getattr(server_args, "page_size", None) or 1) != 1:
+        return False
+    if getattr(server_args, "kv_cache_dtype", None) not in (None, "auto"):
+        return False
+    config = draft_config or {}
+    if "sliding_attention" in (config.get("layer_types") or ()):
+        return False
+    from .ops.block_attention import HEAD_DIMS
+
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                          and heads > 0 else None)
+    return head_dim is None or head_dim in HEAD_DIMS
 
 
 def skip_kv_copies() -> bool:

@@ -249,11 +249,11 @@ def test_hub_ids_are_fetched_and_local_folders_used_as_they_are(tmp_path, monkey
 def test_an_fa3_targets_draft_attends_on_triton_where_the_plugins_draft_graphs_can_serve(monkeypatch):
     """SGLang gives the draft the target's FA3, which the plugin's own draft graphs do not serve:
     Triton instead, unless the launch names a draft backend or the graphs could not serve anyway."""
-    from sglang_dflash.config import DRAFT_GRAPHS_ENV, draft_attention_default
+    from sglang_dflash.config import BLOCK_ATTENTION_ENV, DRAFT_GRAPHS_ENV, draft_attention_default
 
-    def pick(target="fa3", named=None, tp_size=1, window_size=None, draft_config=None, decode_graphs=True):
-        return draft_attention_default(SimpleNamespace(speculative_draft_attention_backend=named), target, tp_size,
-                                       window_size, draft_config, decode_graphs)
+    def pick(target="fa3", named=None, tp_size=1, window_size=None, draft_config=None, decode_graphs=True, **args):
+        return draft_attention_default(SimpleNamespace(speculative_draft_attention_backend=named, **args), target,
+                                       tp_size, window_size, draft_config, decode_graphs)
 
     monkeypatch.delenv(DRAFT_GRAPHS_ENV, raising=False)
     assert pick() == "triton" and pick(draft_config={"layer_types": ["full_attention"]}) == "triton"
@@ -262,5 +262,15 @@ def test_an_fa3_targets_draft_attends_on_triton_where_the_plugins_draft_graphs_c
     assert pick(named="fa3") is None and pick(tp_size=2) is None and pick(window_size=2048) is None
     assert pick(decode_graphs=False) is None
     assert pick(draft_config={"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2048}) is None
+    # The graphs need the block kernel for every call of the pass: a head size it serves, one-token
+    # pages, a KV cache without fp8 scales, the kernel on.
+    assert pick(draft_config={"head_dim": 128}) == "triton" and pick(draft_config={"head_dim": 96}) is None
+    assert pick(draft_config={"hidden_size": 2560, "num_attention_heads": 32}) is None  # 80 a head
+    assert pick(draft_config={"hidden_size": 4096, "num_attention_heads": 32}) == "triton"
+    assert pick(page_size=16) is None and pick(kv_cache_dtype="fp8_e4m3") is None
+    assert pick(page_size=1, kv_cache_dtype="auto") == "triton"
+    monkeypatch.setenv(BLOCK_ATTENTION_ENV, "0")
+    assert pick() is None
+    monkeypatch.delenv(BLOCK_ATTENTION_ENV)
     monkeypatch.setenv(DRAFT_GRAPHS_ENV, "0")
     assert pick() is None

@@ -191,9 +191,12 @@ def fits(block: int, group: int, head_dim: int, dtype: torch.dtype, tile_limit: 
     return (rows, head_dim, dtype) not in _REFUSED and (tile_limit is None or rows * head_dim <= tile_limit)
 
 
+HEAD_DIMS = (64, 128, 256)
+
+
 def serves(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether :func:`block_attention` takes this head size and dtype."""
-    return head_dim in (64, 128, 256) and dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return head_dim in HEAD_DIMS and dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def block_attention(
