@@ -112,7 +112,7 @@ def own_draft_graphs() -> bool:
 
 
 def draft_attention_default(server_args, target_backend: Optional[str], tp_size: int, window_size,
-                            draft_config: Optional[dict], decode_graphs: bool = True) -> Optional[str]:
+                            draft: Optional["DFlashDraftConfig"], decode_graphs: bool = True) -> Optional[str]:
     """The draft's attention backend where the launch names none: "triton" on an FA3 target, whose
     drafts the plugin's own CUDA graphs then serve (SGLang would give the draft FA3, which they do
     not); None (SGLang's choice) where the launch names one or the graphs could not serve anyway
@@ -124,29 +124,25 @@ def draft_attention_default(server_args, target_backend: Optional[str], tp_size:
         return None
     if not decode_graphs or tp_size > 1 or window_size is not None:
         return None
-    if not block_kernel_takes_draft(server_args, draft_config):
+    if not block_kernel_takes_draft(server_args, draft):
         return None
     return "triton" if target_backend == "fa3" else None
 
 
-def block_kernel_takes_draft(server_args, draft_config: Optional[dict]) -> bool:
+def block_kernel_takes_draft(server_args, draft: Optional["DFlashDraftConfig"]) -> bool:
     """Whether the block kernel, which the plugin's draft graphs need for every attention call of the
     pass, would take the draft's on Triton: the kernel on (``SGLANG_DFLASH_BLOCK_ATTENTION``), pages
     of one token, the KV cache in the model's dtype (no fp8 scales), no sliding-window layer (the
-    Qwen3.5-4B draft's) and a head size it serves. A config that cannot be read says nothing against."""
+    Qwen3.5-4B draft's) and a head size it serves. A draft not read yet says nothing against."""
     if not block_attention_kernel() or (getattr(server_args, "page_size", None) or 1) != 1:
         return False
     if getattr(server_args, "kv_cache_dtype", None) not in (None, "auto"):
         return False
-    config = draft_config or {}
-    if "sliding_attention" in (config.get("layer_types") or ()):
-        return False
+    if draft is None:
+        return True
     from .ops.block_attention import HEAD_DIMS
 
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                          and heads > 0 else None)
-    return head_dim is None or head_dim in HEAD_DIMS
+    return not draft.has_sliding_layers and draft.head_dim in HEAD_DIMS
 
 
 def skip_kv_copies() -> bool:
@@ -726,6 +722,16 @@ def read_draft_config(path: str, revision: Optional[str] = None) -> Optional[dic
             raw = json.load(f)
         return raw if isinstance(raw, dict) else None
     except (OSError, ValueError, DFlashConfigError):
+        return None
+
+
+def read_draft_shape(path: str, revision: Optional[str] = None) -> Optional[DFlashDraftConfig]:
+    """The draft's parsed config, or None where the folder cannot tell yet or it does not parse
+    (the launch's validation names why)."""
+    raw = read_draft_config(path, revision)
+    try:
+        return DFlashDraftConfig.from_dict(raw, source=path) if raw is not None else None
+    except DFlashConfigError:
         return None
 
 

@@ -23,8 +23,7 @@ import torch
 
 from sglang.srt.runtime_context import get_parallel
 
-from .config import (DRAFT_RING_ENV, RAGGED_ENV, DFlashConfigError, DFlashDraftConfig, draft_ring, ragged_verify,
-                     read_draft_config)
+from .config import DRAFT_RING_ENV, RAGGED_ENV, draft_ring, ragged_verify, read_draft_shape
 from .draft import DraftBlock, DraftRing, DraftWindow, draft_kv_bytes_per_token, ring_budget, ring_tokens
 from .host_pauses import admission_phase, host_phase
 from .sampling import to_device_async
@@ -69,9 +68,8 @@ def size_target_cell_for_ring(init, configurator, kvc, release) -> None:
     if (None in (window, block, rows, with_draft, aux) or not dataclasses.is_dataclass(config_class)
             or ring_unserved(args, release, ragged_verify()) is not None):
         return
-    try:
-        cfg = DFlashDraftConfig.from_dict(read_draft_config(args.speculative_draft_model_path) or {})
-    except DFlashConfigError:
+    cfg = read_draft_shape(args.speculative_draft_model_path)
+    if cfg is None:
         return
     try:
         element = torch._utils._element_size(kvc.kv_cache_dtype)

@@ -69,7 +69,7 @@ from . import compat
 from .adaptive import ASLEEP, learn_step, make_width_policy, step_widths
 from .config import (DRAFT_GRAPHS_ENV, DRAFT_VOCAB_ENV, HYBRID_DECODE_ENV, RAGGED_ENV, WIDTHS_ENV, DFlashConfigError,
                      TargetInfo, context_in_verify_graph, draft_attention_default, draft_fallback, draft_vocab_rows,
-                     half_verify_logits, hybrid_decode, own_draft_graphs, ragged_verify, read_draft_config,
+                     half_verify_logits, hybrid_decode, own_draft_graphs, ragged_verify, read_draft_shape,
                      verify_widths, widths_by_default, width_policy_kind)
 from .context import ContextInVerifyGraph, DraftContext
 from .draft import DraftBlock, DraftRing, DraftWindow, GreedyDraftHead, StepBuffers, draft_weights_fp8
@@ -155,8 +155,8 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
         self.window_size = self.release.spec_setting(server_args, "speculative_draft_window_size")
         draft_backend = draft_attention_default(
             server_args, self.release.target_attention_backend(server_args), get_parallel().tp_size, self.window_size,
-            read_draft_config(self.release.spec_setting(server_args, "speculative_draft_model_path"),
-                              self.release.spec_setting(server_args, "speculative_draft_model_revision")),
+            read_draft_shape(self.release.spec_setting(server_args, "speculative_draft_model_path"),
+                             self.release.spec_setting(server_args, "speculative_draft_model_revision")),
             decode_graphs=decode_graph_config().backend != Backend.DISABLED)
         bundle = self.release.build_draft_worker(server_args, gpu_id, nccl_port, target_config, ps=ps,
                                                  attention_backend=draft_backend)

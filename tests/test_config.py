@@ -256,17 +256,18 @@ def test_an_fa3_targets_draft_attends_on_triton_where_the_plugins_draft_graphs_c
                                        tp_size, window_size, draft_config, decode_graphs)
 
     monkeypatch.delenv(DRAFT_GRAPHS_ENV, raising=False)
-    assert pick() == "triton" and pick(draft_config={"layer_types": ["full_attention"]}) == "triton"
+    assert pick() == "triton" and pick(draft_config=parse(head_dim=128, layer_types=["full_attention"] * 2)) == "triton"
     for target in ("triton", "flashinfer", "fa4", None):  # measured on FA3 only; triton is triton already
         assert pick(target) is None
     assert pick(named="fa3") is None and pick(tp_size=2) is None and pick(window_size=2048) is None
     assert pick(decode_graphs=False) is None
-    assert pick(draft_config={"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2048}) is None
+    assert pick(draft_config=parse(head_dim=128, layer_types=["full_attention", "sliding_attention"],
+                                   sliding_window=2048)) is None
     # The graphs need the block kernel for every call of the pass: a head size it serves, one-token
     # pages, a KV cache without fp8 scales, the kernel on.
-    assert pick(draft_config={"head_dim": 128}) == "triton" and pick(draft_config={"head_dim": 96}) is None
-    assert pick(draft_config={"hidden_size": 2560, "num_attention_heads": 32}) is None  # 80 a head
-    assert pick(draft_config={"hidden_size": 4096, "num_attention_heads": 32}) == "triton"
+    assert pick(draft_config=parse(head_dim=128)) == "triton" and pick(draft_config=parse(head_dim=96)) is None
+    assert pick(draft_config=parse(hidden_size=2560, num_attention_heads=32, head_dim=None)) is None  # 80 a head
+    assert pick(draft_config=parse(hidden_size=4096, num_attention_heads=32, head_dim=None)) == "triton"
     assert pick(page_size=16) is None and pick(kv_cache_dtype="fp8_e4m3") is None
     assert pick(page_size=1, kv_cache_dtype="auto") == "triton"
     monkeypatch.setenv(BLOCK_ATTENTION_ENV, "0")
