@@ -333,7 +333,8 @@ class SGLangRelease:
         (:mod:`sglang_dflash.gdn_state`), or None. The rows must be the request table's, the
         snapshots one contiguous buffer, and nothing but a verify, a plain decode or an extend
         may read a slot the plugin leaves stale: not the ``no_buffer`` radix cache (it keeps a
-        finished request's working slot), not mixed chunks (an extend of a request that verified)."""
+        finished request's working slot), not mixed chunks or streaming sessions (an extend of a
+        request that verified; a session's next turn resumes its last turn's slot)."""
         linear = getattr(attn_backend, "linear_attn_backend", None)
         pool = getattr(linear, "req_to_token_pool", None)
         if pool is None or not hasattr(pool, "get_speculative_mamba2_params_all_layers"):
@@ -357,6 +358,8 @@ class SGLangRelease:
             return "the no_buffer radix cache keeps a finished request's working slot: use extra_buffer"
         if getattr(args, "enable_mixed_chunk", False):
             return "--enable-mixed-chunk (an extend of a request that already verified)"
+        if getattr(args, "enable_streaming_session", False):
+            return "--enable-streaming-session (a session's next turn resumes its last turn's slot)"
         return None
 
     def gdn_snapshot_parts(self, attn_backend) -> tuple:

@@ -377,14 +377,13 @@ def refuse_unrunnable_prompt_hook(original, tokenizer_manager, obj, input_ids, *
     original(tokenizer_manager, obj, input_ids, *args, **kwargs)
     if not _plugin_serves(tokenizer_manager):
         return
-    from .request_checks import has_session, prompt_problem, session_problem, top_logprobs_problem
+    from .request_checks import has_session, prompt_problem, top_logprobs_problem
 
     model_config = getattr(tokenizer_manager, "model_config", None)
     vocab = getattr(model_config, "vocab_size", None)
     if not vocab:
         return
-    problem = (prompt_problem(input_ids, vocab, has_session(obj)) or top_logprobs_problem(obj, vocab)
-               or session_problem(obj, model_config))
+    problem = prompt_problem(input_ids, vocab, has_session(obj)) or top_logprobs_problem(obj, vocab)
     if problem is not None:
         raise ValueError(problem)
 

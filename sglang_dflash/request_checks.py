@@ -52,18 +52,3 @@ def has_session(obj) -> bool:
     params = getattr(obj, "session_params", None)
     return bool(isinstance(params, dict) and params.get("id"))
 
-
-def session_problem(obj, model_config) -> Optional[str]:
-    """A streaming session's next turn extends the row its last turn verified in, from a slot the
-    plugin leaves stale while the state stays in the snapshots (``SGLANG_DFLASH_GDN_STATE=snapshot``
-    on a gated-delta-net target): refused there, or None."""
-    if not has_session(obj) or model_config is None:
-        return None
-    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config
-
-    from .gdn_state import GDN_STATE_ENV, keeps_state_in_snapshots
-
-    if keeps_state_in_snapshots() and hybrid_gdn_config(model_config) is not None:  # the switch: checked at start
-        return f"Streaming sessions are not served with {GDN_STATE_ENV}=snapshot on this target; unset it to serve them."
-    return None
-

@@ -3,7 +3,7 @@
 The keeper's bits against SGLang's commit copy are checked on SGLang's own kernel in
 ``tests/test_gdn_verify_bench.py``; here: when the worker keeps the state in the snapshots and
 why not, the verify redirect touching only its own server's verifies, the commit keeping the
-convolution windows and moving no SSM state, and streaming sessions refused in that mode.
+convolution windows and moving no SSM state, and SGLang's commit kept where streaming sessions are on.
 """
 
 from types import SimpleNamespace
@@ -51,9 +51,9 @@ def test_the_mode_is_read_from_the_environment(monkeypatch):
 def test_the_state_stays_in_the_snapshots_only_where_nothing_else_reads_a_stale_slot():
     release = compat.running()
 
-    def args(radix=True, strategy="extra_buffer", mixed=False):
+    def args(radix=True, strategy="extra_buffer", mixed=False, streaming_sessions=False):
         return SimpleNamespace(disable_radix_cache=not radix, mamba_radix_cache_strategy=strategy,
-                               enable_mixed_chunk=mixed)
+                               enable_mixed_chunk=mixed, enable_streaming_session=streaming_sessions)
 
     backend, _ = fake_backend()
     assert release.gdn_snapshot_unserved(backend, args()) is None
@@ -68,6 +68,7 @@ def test_the_state_stays_in_the_snapshots_only_where_nothing_else_reads_a_stale_
     assert "no_buffer" in release.gdn_snapshot_unserved(backend, args(strategy="no_buffer"))
     assert release.gdn_snapshot_unserved(backend, args(radix=False, strategy="no_buffer")) is None
     assert "mixed-chunk" in release.gdn_snapshot_unserved(backend, args(radix=False, mixed=True))
+    assert "--enable-streaming-session" in release.gdn_snapshot_unserved(backend, args(streaming_sessions=True))
     linear = backend.linear_attn_backend
     assert release.mamba_slots(linear, torch.tensor([1, 2])).tolist() == [3, 4]  # row -> slot -> physical
 
@@ -126,18 +127,3 @@ def test_a_verify_commits_the_convolution_windows_and_leaves_the_ssm_state_in_pl
     assert torch.equal(caches.temporal[:, 3], caches.intermediate_ssm[:, 3, 0])
     assert torch.equal(caches.temporal[:, 4], caches.intermediate_ssm[:, 2, 1])
     assert caches.temporal[:, :3].abs().sum() == 0 and caches.temporal[:, 5].abs().sum() == 0  # no other slot
-
-
-def test_streaming_sessions_are_refused_while_the_state_stays_in_the_snapshots(monkeypatch):
-    from sglang_dflash.request_checks import session_problem
-
-    session = SimpleNamespace(session_params={"id": "s1"})
-    qwen35 = SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3_5ForConditionalGeneration"]))
-    monkeypatch.setattr("sglang.srt.configs.hybrid_arch.hybrid_gdn_config",
-                        lambda config: config if config is qwen35 else None)
-    monkeypatch.setenv(gdn_state.GDN_STATE_ENV, "snapshot")
-    assert "Streaming sessions are not served" in session_problem(session, qwen35)
-    assert session_problem(SimpleNamespace(session_params=None), qwen35) is None
-    assert session_problem(session, SimpleNamespace()) is None  # a dense target
-    monkeypatch.setenv(gdn_state.GDN_STATE_ENV, "commit")
-    assert session_problem(session, qwen35) is None

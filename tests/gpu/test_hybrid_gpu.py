@@ -8,6 +8,9 @@
     DFLASH_HYBRID_ARCH=qwen3_next bash lab/gpu_tests.sh hybrid  # the Qwen3-Next MoE hybrid instead
     DFLASH_HYBRID_PROMPTS=64 bash lab/gpu_tests.sh hybrid       # fewer greedy prompts (200 by default)
 
+Besides greedy prompts, follow-ups and long prompts, each server answers the second turns of 8
+sessions (SGLang's ``/open_session``, without streaming).
+
 Every server runs the same random Qwen3.5 target (``make_tiny_pair.py --target-arch qwen3_5``)
 with the radix cache and ``--mamba-radix-cache-strategy extra_buffer``; the draft has a
 sliding-window layer and a full layer. SGLang's chunked gated-delta-rule kernel has no float32,
@@ -24,7 +27,7 @@ from functools import lru_cache
 import pytest
 from test_server_gpu import BACKEND, COMMON, MAX_TIE_RATE, RESULTS, ROOT, calibrate, divergence, greedy, ids, save
 
-from sglang_dflash.bench.client import kv_loads, run_requests, server_info
+from sglang_dflash.bench.client import kv_loads, post_json, run_requests, server_info
 from sglang_dflash.bench.server import Server, ServerSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hybrid]
@@ -33,6 +36,8 @@ SKIP_INTERVAL = 64  # plugin_track_skip's: beyond two blocks' reach, so most ste
 WINDOW = 1024  # --speculative-draft-window-size, far below the long prompts
 LONG_PROMPTS = (8448, 9000)
 SHORT_PROMPTS = int(os.environ.get("DFLASH_HYBRID_PROMPTS", 200))  # greedy prompts of 128 new tokens
+SESSIONS = 8  # two turns each
+KINDS = ("greedy", "follow_ups", "long", "sessions")
 FLAGS = ["--dtype", "bfloat16", "--mamba-radix-cache-strategy", "extra_buffer",
          "--mamba-track-interval", str(INTERVAL)]
 # name: (implementation, extra flags, extra environment)
@@ -85,6 +90,27 @@ def follow_ups(short, outputs):
     return [(len(prompt), greedy(prompt + out, max_new=24)) for prompt, out in zip(short[:32], outputs)]
 
 
+def session_turns(url, short):
+    """Two turns of SESSIONS sessions: the second appends new tokens to the first's prompt and answer.
+    Without streaming, SGLang starts each turn as a new request, its prefix from the radix cache
+    (a streaming session would resume the last turn's state slot). Returns the first turns' outputs,
+    the second turns' results, and each second turn as one plain request (for the near-tie probe)."""
+    rng = random.Random(23)
+    firsts, seconds, plain = [], [], []
+    for i, prompt in enumerate(short[:SESSIONS]):
+        sid = f"dflash-hybrid-{i}"
+        opened = post_json(url + "/open_session", {"capacity_of_str_len": 1 << 16, "session_id": sid})
+        assert not isinstance(opened, dict), opened  # an error answer
+        first, _ = run_requests(url, [{**greedy(prompt, max_new=48), "session_params": {"id": sid}, "rid": f"{sid}-1"}], 1)
+        turn = [rng.randrange(10, 4000) for _ in range(rng.randrange(4, 16))]
+        second, _ = run_requests(url, [{**greedy(turn, max_new=48), "session_params": {"id": sid, "rid": f"{sid}-1"}}], 1)
+        post_json(url + "/close_session", {"session_id": sid})
+        firsts += ids(first)
+        seconds += second
+        plain.append(greedy(prompt + firsts[-1] + turn, max_new=48))
+    return firsts, seconds, plain
+
+
 def serve(name, server):
     """The workloads, in order: greedy prompts, their follow-ups (radix hits), long prompts."""
     out = {"requests": {}}
@@ -99,6 +125,9 @@ def serve(name, server):
     out["follow_ups"], out["requests"]["follow_ups"] = ids(second), [w for _, w in work]
     out["follow_up_prompt_lens"] = [n for n, _ in work]
     out["follow_up_cached"] = [r.meta.get("cached_tokens", 0) for r in second]
+    out["session_firsts"], second, out["requests"]["sessions"] = session_turns(server.url, short)
+    out["sessions"] = ids(second)
+    out["session_cached"] = [r.meta.get("cached_tokens", 0) for r in second]
     long = [greedy(p, max_new=64) for p in long_prompts()]
     out["long"], out["requests"]["long"] = ids(run_requests(server.url, long, 2)[0]), long
     out["loads_after"] = kv_loads(server.url)
@@ -126,7 +155,7 @@ def against_ar():
             runs[name] = serve(name, s)
         # What the run showed before plain decoding's server starts: a call cut short keeps it.
         save(evidence_name(name, "served"), {"run": name, "target_arch": ARCH, **served_figures(runs[name]),
-                                             "prompts": {k: len(runs[name][k]) for k in ("greedy", "follow_ups", "long")}})
+                                             "prompts": {k: len(runs[name][k]) for k in KINDS}})
     with Server(spec("ar"), log_path=os.path.join(RESULTS, "server-hybrid-ar.log"), timeout_s=600) as ar:
         ar_out = serve("ar", ar)
         ar_checkpointed = sum(c > n for c, n in zip(ar_out["follow_up_cached"], ar_out["follow_up_prompt_lens"]))
@@ -134,9 +163,11 @@ def against_ar():
         reports = {}
         for name, out in runs.items():
             rows = {}
-            for kind in ("greedy", "follow_ups", "long"):
+            for kind in KINDS:
                 rows[kind] = []
                 for i, (req, a, b) in enumerate(zip(out["requests"][kind], out[kind], ar_out[kind])):
+                    if kind == "sessions" and out["session_firsts"][i] != ar_out["session_firsts"][i]:
+                        continue  # the second turns' prompts differ: the first turn's divergence is a greedy one
                     row = divergence(ar.url, req, a, b, calibration["near_tie_nats"])
                     if row is not None:
                         rows[kind].append({"request": i, **row})
@@ -149,6 +180,8 @@ def against_ar():
                 "mamba_track_interval": SKIP_INTERVAL if name == "plugin_track_skip" else INTERVAL,
                 "follow_ups_served_from_decode_checkpoints": checkpointed, "ar_follow_ups_from_checkpoints": ar_checkpointed,
                 "follow_up_cached_tokens": out["follow_up_cached"], "ar_loads_after": ar_out["loads_after"],
+                "sessions_compared": sum(a == b for a, b in zip(out["session_firsts"], ar_out["session_firsts"])),
+                "session_cached_tokens": out["session_cached"],
                 **served_figures(out),
             }
             save(evidence_name(name), reports[name])
@@ -212,3 +245,12 @@ def test_requests_resumed_from_decode_checkpoints_match_ar(name):
     n = rep["prompts"]["follow_ups"]
     assert n >= 16 and rep["follow_ups_served_from_decode_checkpoints"] >= n // 2, rep
     assert rep["off_near_tie"]["follow_ups"] == 0, rep["divergences"]["follow_ups"]
+
+
+@pytest.mark.parametrize("name", ["plugin", "plugin_switching", "plugin_snapshot"])
+def test_session_turns_match_ar(name):
+    """A session's second turn starts from the first turn's prompt and answer, its recurrent state
+    from the radix cache's checkpoints (served with the state in the snapshot rows too)."""
+    rep = report(name)
+    assert rep["prompts"]["sessions"] == SESSIONS and rep["sessions_compared"] >= SESSIONS // 2, rep
+    assert rep["off_near_tie"]["sessions"] == 0, rep["divergences"]["sessions"]
