@@ -112,7 +112,8 @@ def session_turns(url, short):
 
 
 def serve(name, server):
-    """The workloads, in order: greedy prompts, their follow-ups (radix hits), long prompts."""
+    """The workloads, in order: greedy prompts, their follow-ups (radix hits), sessions' two turns,
+    long prompts."""
     out = {"requests": {}}
     short = short_prompts()
     # Two at a time where the track skip is checked: 16 requests at once leave some always within
