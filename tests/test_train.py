@@ -381,6 +381,8 @@ def test_cli_refuses_a_bad_mask_or_layer_before_regenerating(tiny_target, tmp_pa
         cli.main(["--target", path, "--mask-token-id", "99999", *base])
     with pytest.raises(SystemExit, match=r"--target-layer-ids \[1, 6\]: the target has layers 0..5"):
         cli.main(["--target", path, "--target-layer-ids", "1,6", *base])
+    with pytest.raises(SystemExit, match=r"--target-layer-ids \[1, 5\]: layer 5 is the target's last; tap layers 0..4"):
+        cli.main(["--target", path, "--target-layer-ids", "1,5", *base])
     # A target whose tokenizer has no mask token, and no --mask-token-id.
     no_mask = tmp_path / "no_mask"
     no_mask.mkdir()

@@ -190,6 +190,11 @@ def check_against_target(args, tokenizer) -> int:
             raise SystemExit(f"--target-layer-ids: {e.problem}") from None
     elif any(not 0 <= i < layers for i in args.target_layer_ids):
         raise SystemExit(f"--target-layer-ids {args.target_layer_ids}: the target has layers 0..{layers - 1}")
+    elif layers - 1 in args.target_layer_ids:
+        # Transformers returns the last layer's output after the final norm, and SGLang's Llama and
+        # Qwen forwards tap a layer at the next one's input: the two would disagree, or the server fail.
+        raise SystemExit(f"--target-layer-ids {args.target_layer_ids}: layer {layers - 1} is the target's last; "
+                         f"tap layers 0..{layers - 2}")
     return resolve_mask_token_id(tokenizer, text.vocab_size, args.mask_token_id)
 
 
