@@ -164,10 +164,11 @@ def against_ar():
         reports = {}
         for name, out in runs.items():
             rows = {}
+            same_first_turn = [a == b for a, b in zip(out["session_firsts"], ar_out["session_firsts"])]
             for kind in KINDS:
                 rows[kind] = []
                 for i, (req, a, b) in enumerate(zip(out["requests"][kind], out[kind], ar_out[kind])):
-                    if kind == "sessions" and out["session_firsts"][i] != ar_out["session_firsts"][i]:
+                    if kind == "sessions" and not same_first_turn[i]:
                         continue  # the second turns' prompts differ: the first turn's divergence is a greedy one
                     row = divergence(ar.url, req, a, b, calibration["near_tie_nats"])
                     if row is not None:
@@ -181,7 +182,7 @@ def against_ar():
                 "mamba_track_interval": SKIP_INTERVAL if name == "plugin_track_skip" else INTERVAL,
                 "follow_ups_served_from_decode_checkpoints": checkpointed, "ar_follow_ups_from_checkpoints": ar_checkpointed,
                 "follow_up_cached_tokens": out["follow_up_cached"], "ar_loads_after": ar_out["loads_after"],
-                "sessions_compared": sum(a == b for a, b in zip(out["session_firsts"], ar_out["session_firsts"])),
+                "sessions_compared": sum(same_first_turn),
                 "session_cached_tokens": out["session_cached"],
                 **served_figures(out),
             }
