@@ -106,8 +106,10 @@ class DraftHealth:
                 self.fallback_requests += 1
                 self.pruned_for = None
 
-    def in_fallback(self) -> int:
-        return len(self.fell_at)
+    def in_fallback(self, running: Optional[set] = None) -> int:
+        """Requests in fallback: of the last batch, or of ``running`` (the scheduler's requests), so
+        an idle server counts none although its last batch's tables stand until the next step."""
+        return len(self.fell_at) if running is None else len(self.fell_at.keys() & running)
 
 
 class ForcedFallback:
@@ -142,8 +144,8 @@ class ForcedFallback:
     def observe(self, rids: Sequence, widths: Sequence[int], accept_lens: Sequence[int]) -> None:
         pass
 
-    def in_fallback(self) -> int:
-        return self.current
+    def in_fallback(self, running: Optional[set] = None) -> int:
+        return self.current if running is None else min(self.current, len(running))
 
 
 def make_fallback(mode: str):

@@ -347,11 +347,17 @@ def server_info_hook(original, scheduler, recv_req):
         out.internal_state["scheduler_ledger"] = _ledger.report()
     report = getattr(getattr(scheduler, "draft_worker", None), "server_info", None)
     if _serving and callable(report) and isinstance(getattr(out, "internal_state", None), dict):
-        out.internal_state["dflash"] = report()
+        out.internal_state["dflash"] = report(running_request_ids(scheduler))
         state_pool = recurrent_state_slots(scheduler)
         if state_pool is not None:
             out.internal_state["dflash"]["state_pool"] = state_pool
     return out
+
+
+def running_request_ids(scheduler) -> Optional[set]:
+    """The ids of the requests the scheduler is decoding (None where it keeps no running batch)."""
+    reqs = getattr(getattr(scheduler, "running_batch", None), "reqs", None)
+    return None if reqs is None else {req.rid for req in reqs}
 
 
 def recurrent_state_slots(scheduler):

@@ -438,12 +438,13 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
             return f"{HYBRID_DECODE_ENV}=0"
         return self.release.hybrid_decode_unserved(attn_backend)
 
-    def server_info(self) -> dict:
+    def server_info(self, running: Optional[set] = None) -> dict:
         """``/get_server_info``'s ``dflash`` entry: the block, the process's pauses (full GCs,
         allocator retries), the worker calls that stalled, the decode steps and those whose draft
         or verify ran outside CUDA graphs, the verifies whose logits stayed in half precision, the
         draft input's length sets (where its bulk prepare serves), and, with adaptive width, the
-        widths chosen so far (decode steps per width)."""
+        widths chosen so far (decode steps per width). ``running``: the ids of the scheduler's
+        running requests, where known (the fallback counts those alone)."""
         info = {"block_size": self.block_size, "widths": list(self.widths),
                 "host_pauses": self.pauses.report(getattr(self, "device", None)),
                 "decode_steps": self.decode_steps, "eager_drafts": self.eager_drafts, "runner_drafts": self.runner_drafts,
@@ -472,7 +473,7 @@ class DFlashWorker(DraftContext, BaseSpecWorker):
                     info[key] = getattr(self.width_policy, key)()
         if self.fallback is not None:
             info["fallback"] = {"policy": type(self.fallback).__name__, "requests": self.fallback.fallback_requests,
-                                "in_fallback": self.fallback.in_fallback()}
+                                "in_fallback": self.fallback.in_fallback(running)}
         return info
 
     # ---- one scheduler step ------------------------------------------------------------------

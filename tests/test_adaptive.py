@@ -666,6 +666,8 @@ def test_draft_health_forgets_requests_that_left_and_follows_a_narrower_batch_wi
     health.observe(["a", "b"], health.widths(["a", "b"], 8), [0, 0])
     assert health.widths(["a", "b"], 8) == [1, 1] and health.in_fallback() == 2
     assert health.widths(["b"], 1) == [1] and health.in_fallback() == 1  # "a" finished
+    # No step runs on an idle server, so its count asks the scheduler which requests still run.
+    assert health.in_fallback({"b", "c"}) == 1 and health.in_fallback(set()) == 0
     assert health.widths(["a"], 8) == [8]  # a new request under an old id starts healthy
     health.observe(["b"], [1], [0])  # a step at width 1 judges nothing
     assert health.fallback_requests == 2
@@ -852,7 +854,7 @@ def test_forced_fallback_crosses_every_case_and_counts_each_request_once_per_sta
     forced = make_fallback("force")
     steps = [forced.widths(["a", "b", "c"], 8) for _ in range(6)]
     assert steps == [[1, 8, 1], [8, 1, 8], [1, 1, 1], [8, 1, 8], [1, 8, 1], [1, 1, 1]]
-    assert forced.in_fallback() == 3
+    assert forced.in_fallback() == 3 and forced.in_fallback({"a"}) == 1 and forced.in_fallback(set()) == 0
     assert forced.fallback_requests == 3  # a, b, c: each counted on its first step in fallback
     forced.widths(["d"], 8)  # a, b and c left the batch
     forced.widths(["d", "a"], 8)  # a came back: counted again
