@@ -122,7 +122,7 @@ class ForcedFallback:
         self.steps = 0
         self.seen: set = set()  # requests in the batch that have fallen back at least once
         self.fallback_requests = 0
-        self.current = 0
+        self.fallen: set = set()  # the requests of the last step at width 1
         self.fallen_tokens = 1.0
 
     def widths(self, rids: Sequence, batch_width: int) -> list[int]:
@@ -135,7 +135,7 @@ class ForcedFallback:
         fell = {rid for rid, w in zip(rids, out) if w == 1}
         self.fallback_requests += len(fell - self.seen)
         self.seen |= fell
-        self.current = len(fell)
+        self.fallen = fell
         return out
 
     def all_fallen(self, rids: Sequence) -> bool:
@@ -145,7 +145,7 @@ class ForcedFallback:
         pass
 
     def in_fallback(self, running: Optional[set] = None) -> int:
-        return self.current if running is None else min(self.current, len(running))
+        return len(self.fallen if running is None else self.fallen & running)
 
 
 def make_fallback(mode: str):

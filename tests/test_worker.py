@@ -1676,6 +1676,8 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
         DFlashWorker.choose_widths(worker, batch, 3)
     info = DFlashWorker.server_info(worker)
     assert info["fallback"] == {"policy": "ForcedFallback", "requests": 3, "in_fallback": 3}
+    assert info["widths_used"] == {"1": 1}
+    assert info["draft_kv"] == {"layout": "ring", "tokens": 640, "window": 64, "ring_slots_per_request": 80}
     # /get_server_info on an idle server: the scheduler runs no request, so none is in fallback
     import sglang_dflash.integration as integration
 
@@ -1684,8 +1686,6 @@ def test_server_info_counts_the_requests_that_fell_back(monkeypatch):
     monkeypatch.setattr(integration, "_serving", True)
     state = integration.server_info_hook(lambda s, r: SimpleNamespace(internal_state={}), idle, None).internal_state
     assert state["dflash"]["fallback"]["in_fallback"] == 0
-    assert info["widths_used"] == {"1": 1}
-    assert info["draft_kv"] == {"layout": "ring", "tokens": 640, "window": 64, "ring_slots_per_request": 80}
 
 
 def test_a_whole_step_with_every_request_in_fallback_is_a_plain_decode_where_width_one_saves_time(monkeypatch):
